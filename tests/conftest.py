@@ -1,0 +1,38 @@
+"""Shared fixtures: the tiny random pair (built once per session) and a subprocess runner for the CLIs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def tiny_cfg():
+    return OmegaConf.load(REPO / "conf" / "pair" / "tiny_random.yaml")
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tiny_cfg):
+    from models.pair import load_pair
+
+    return load_pair(tiny_cfg)
+
+
+def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run `python -m ...` like a user would; returns the completed process (text output)."""
+    env = dict(os.environ, WANDB_MODE="offline", HYDRA_FULL_ERROR="0", PYTHONUNBUFFERED="1")
+    return subprocess.run(
+        [sys.executable, "-m", *args], cwd=cwd or REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.fixture
+def cli():
+    return run_cli

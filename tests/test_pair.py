@@ -1,0 +1,110 @@
+"""models.pair: every source loads into one kind of model; mismatched tokenizers and bad names fail in one line."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from models.pair import check_same_tokenizer, layer_subset, load_pair, tokenizer_hash
+from models.tiny import tiny_tokenizer
+from utils.cli import UserError
+
+
+def test_tiny_pair_shares_vocab_and_embeddings(tiny_pair):
+    assert tiny_pair.vocab_size == len(tiny_pair.tokenizer)
+    assert tiny_pair.draft.get_input_embeddings() is tiny_pair.target.get_input_embeddings()
+    assert tiny_pair.draft.lm_head is tiny_pair.target.lm_head
+    assert tiny_pair.draft.config.num_hidden_layers == 1
+
+
+def test_layer_subset_matches_manual_model_and_kv_cache(tiny_pair):
+    target = tiny_pair.target
+    draft = layer_subset(target, [1, 3])
+    manual = copy.deepcopy(target)
+    manual.model.layers = torch.nn.ModuleList([manual.model.layers[1], manual.model.layers[3]])
+    for j, layer in enumerate(manual.model.layers):
+        layer.self_attn.layer_idx = j
+    manual.config.num_hidden_layers = 2
+    ids = torch.tensor([tiny_pair.tokenizer.encode("def f(x): return x")])
+    with torch.no_grad():
+        full = draft(ids).logits
+        torch.testing.assert_close(full, manual(ids).logits)
+        # incremental decoding with the (re-indexed) KV cache gives the same logits as one full pass
+        out = draft(ids[:, :5], use_cache=True)
+        steps = [out.logits]
+        cache = out.past_key_values
+        for t in range(5, ids.shape[1]):
+            out = draft(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+            steps.append(out.logits)
+        torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-4)
+    # the target is untouched by building a draft from it
+    assert target.model.layers[1].self_attn.layer_idx == 1
+
+
+def test_hf_local_directory_roundtrip(tiny_pair, tmp_path):
+    target_dir = tmp_path / "target"
+    tiny_pair.target.save_pretrained(target_dir)
+    tiny_pair.tokenizer.save_pretrained(target_dir)
+    cfg = OmegaConf.create(
+        {"name": "local", "target": {"source": "hf", "path": str(target_dir)},
+         "draft": {"source": "hf", "path": str(target_dir)}, "dtype": "float32", "device": "cpu"}
+    )
+    pair = load_pair(cfg)
+    assert pair.tokenizer_hash == tiny_pair.tokenizer_hash
+    ids = torch.tensor([pair.tokenizer.encode("abc")])
+    with torch.no_grad():
+        torch.testing.assert_close(pair.target(ids).logits, tiny_pair.target(ids).logits)
+
+
+def test_mismatched_tokenizers_refused_naming_both():
+    a = tiny_tokenizer()
+    b = tiny_tokenizer()
+    b.add_tokens(["<extra>"])
+    with pytest.raises(UserError, match=r"target A .*draft B"):
+        check_same_tokenizer(a, b, "A", "B")
+    check_same_tokenizer(a, tiny_tokenizer(), "A", "A")
+    assert tokenizer_hash(a) != tokenizer_hash(b)
+
+
+def test_unknown_pair_name_lists_known():
+    with pytest.raises(UserError, match="known: .*smollm2_135m.*tiny_random"):
+        load_pair("no_such_pair")
+
+
+def test_cli_errors_are_one_line(cli):
+    res = cli("models", "pair=no_such_pair")
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines() == [res.stderr.strip()]
+    assert "unknown pair 'no_such_pair'" in res.stderr and "tiny_random" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_cli_mismatched_pair_one_line(cli, tmp_path):
+    """A hub/local-dir draft whose tokenizer differs from the target's: one line naming both."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = tiny_tokenizer()
+    tok.add_tokens(["<extra>"])
+    other = tmp_path / "other"
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(other)
+    tok.save_pretrained(other)
+    res = cli("models", "pair=tiny_random", "pair.draft.source=hf", f"+pair.draft.path={other}")
+    assert res.returncode == 2, res.stderr
+    line = res.stderr.strip()
+    assert len(line.splitlines()) == 1 and "tokenizers differ" in line and str(other) in line and "tiny_random" in line
+
+
+@pytest.mark.real
+def test_default_pair_loads_with_identical_tokenizers():
+    pair = load_pair(OmegaConf.load("conf/pair/smollm2_135m.yaml"))
+    assert pair.vocab_size == 49152
+    assert pair.draft.get_input_embeddings() is pair.target.get_input_embeddings()
+    ids = pair.tokenizer("def add(a, b):", return_tensors="pt").input_ids.to(pair.device)
+    with torch.no_grad():
+        p = pair.target(ids).logits.float().softmax(-1)
+        q = pair.draft(ids).logits.float().softmax(-1)
+    assert torch.isfinite(p).all() and torch.isfinite(q).all()

@@ -1,0 +1,69 @@
+"""Prompt sets load with their official (or documented) split sizes; bad names and empty selections fail clearly."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from omegaconf import OmegaConf
+
+from data_gen.prompts import load_prompts, render
+from models.tiny import tiny_tokenizer
+from utils.cli import UserError
+
+
+def ds(name, **over):
+    cfg = OmegaConf.load(f"conf/dataset/{name}.yaml")
+    cfg.update(over)
+    return cfg
+
+
+def test_mbpp_official_splits_and_disco_format():
+    prompts = load_prompts(ds("mbpp"))
+    assert Counter(p.split for p in prompts) == {"train": 374, "validation": 90, "test": 500, "prompt": 10}
+    first = load_prompts(ds("mbpp"), "test")[0]
+    assert first.prompt_id == "mbpp-11" and first.text.startswith('"""') and "assert " in first.text
+    assert first.reference
+
+
+def test_humaneval_164():
+    assert len(load_prompts(ds("humaneval"), "test")) == 164
+
+
+def test_specbench_480_and_categories():
+    prompts = load_prompts(ds("specbench"))
+    assert len(prompts) == 480
+    cats = Counter(p.meta["category"] for p in prompts)
+    assert all(cats[c] == 80 for c in ["translation", "summarization", "qa", "math_reasoning", "rag"])
+    mt = load_prompts(ds("mtbench"))
+    assert len(mt) == 80 and len({p.meta["category"] for p in mt}) == 8
+    assert all(v == 10 for v in Counter(p.meta["category"] for p in mt).values())
+    assert len(load_prompts(ds("specbench", category="summarization"))) == 80
+    # hash splits are disjoint and deterministic
+    ids = {s: {p.prompt_id for p in load_prompts(ds("specbench"), s)} for s in ("train", "validation", "test")}
+    assert not (ids["train"] & ids["test"]) and not (ids["validation"] & ids["test"])
+    assert sum(map(len, ids.values())) == 480
+
+
+def test_wikitext2_prefixes_have_references_and_disjoint_splits():
+    prompts = load_prompts(ds("wikitext2"))
+    assert {p.split for p in prompts} == {"train", "validation", "test"}
+    p = prompts[0]
+    assert len(p.text.split()) == 64 and len(p.reference.split()) == 64
+    titles = {s: {q.meta["title"] for q in prompts if q.split == s and not q.prompt_id.startswith("wt2-test")}
+              for s in ("train", "validation")}
+    assert not titles["train"] & titles["validation"]
+
+
+def test_bad_split_category_and_empty():
+    with pytest.raises(UserError, match="no split 'dev'"):
+        load_prompts(ds("mbpp"), "dev")
+    with pytest.raises(UserError, match="unknown Spec-Bench category"):
+        load_prompts(ds("specbench", category="poetry"))
+    with pytest.raises(UserError, match="no prompts"):
+        load_prompts(ds("mbpp"), "test", limit=0)
+
+
+def test_render_without_template_is_raw():
+    p = load_prompts(ds("mbpp"), "test", limit=1)[0]
+    assert render(p, tiny_tokenizer(), chat_template=True) == p.text

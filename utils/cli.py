@@ -1,0 +1,80 @@
+"""Entry-point plumbing shared by every stage: user errors as one line, config-name checks before Hydra.
+
+A researcher who mistypes `pair=smollm` should read one line that names the problem and the fix, not a stack
+trace. Code raises `UserError` for anything the user can fix; `hydra_entry` turns it into that line (exit code 2).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+from typing import Callable
+
+import hydra
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+class UserError(Exception):
+    """A mistake in the user's input or setup; the message must say what is wrong and how to fix it."""
+
+
+def known_names(group: str) -> list[str]:
+    """Config names available in a conf group (e.g. `pair`, `dataset`, `experiment`)."""
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def check_name(group: str, name: str) -> Path:
+    """Path of `conf/<group>/<name>.yaml`, or a UserError listing the known names."""
+    path = CONF_DIR / group / f"{name}.yaml"
+    if not path.is_file():
+        raise UserError(f"unknown {group} '{name}'; known: {', '.join(known_names(group))}")
+    return path
+
+
+def _check_argv_groups(argv: list[str]) -> None:
+    """Reject `group=name` overrides whose config file does not exist, before Hydra prints a stack of its own."""
+    for arg in argv:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        key, value = arg.split("=", 1)
+        key = key.lstrip("+~")
+        if "/" in key or "." in key or not (CONF_DIR / key).is_dir():
+            continue
+        # multirun values come comma-separated: check each
+        for name in value.split(","):
+            if name and name != "null" and not name.startswith("choice("):
+                check_name(key, name)
+
+
+def fail(message: str) -> None:
+    """Print one error line and exit with status 2 (a user error, not a crash)."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def hydra_entry(config_name: str) -> Callable:
+    """`@hydra_entry("decode")` = `@hydra.main` on conf/decode.yaml, with user errors reported as one line."""
+
+    def decorate(task: Callable) -> Callable:
+        @functools.wraps(task)
+        def guarded(cfg):
+            try:
+                return task(cfg)
+            except UserError as err:
+                fail(str(err))
+
+        hydra_main = hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name=config_name)(guarded)
+
+        @functools.wraps(task)
+        def main():
+            try:
+                _check_argv_groups(sys.argv[1:])
+            except UserError as err:
+                fail(str(err))
+            return hydra_main()
+
+        return main
+
+    return decorate
