@@ -1,0 +1,112 @@
+"""The one definition of the stop-classifier metrics, shared by `python -m train` (test step) and `python -m eval`.
+
+The positive class is "accepted / continue drafting" (label 1). Soft labels (tvd, accept_prob) are binarised at 0.5
+for every metric here; scores are acceptance probabilities (or any monotone score), higher = more likely accepted.
+A score at or above the threshold predicts "continue" (scikit-learn's convention in `precision_recall_curve`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from sklearn.metrics import (
+    average_precision_score,
+    confusion_matrix,
+    f1_score,
+    precision_recall_curve,
+    roc_auc_score,
+    roc_curve,
+)
+
+
+def _as_numpy(x) -> np.ndarray:
+    if hasattr(x, "detach"):
+        x = x.detach().cpu().float().numpy()
+    return np.asarray(x, dtype=np.float64).reshape(-1)
+
+
+def binarize(labels) -> np.ndarray:
+    """Hard 0/1 labels: soft labels in [0, 1] are cut at 0.5 (1 ↔ label ≥ 0.5)."""
+    return (_as_numpy(labels) >= 0.5).astype(np.int64)
+
+
+def _f1(tp: int, fp: int, fn: int) -> float:
+    return 2 * tp / (2 * tp + fp + fn) if tp + fp + fn else 0.0
+
+
+def classification_metrics(scores, labels, threshold: float) -> dict:
+    """AUROC, average precision, and F1/precision/recall/confusion counts at `threshold` (score ≥ threshold → 1).
+
+    AUROC and AP are NaN when the labels hold a single class (they are undefined there).
+    """
+    s = _as_numpy(scores)
+    y = binarize(labels)
+    if len(s) != len(y):
+        raise ValueError(f"scores ({len(s)}) and labels ({len(y)}) differ in length")
+    pred = (s >= threshold).astype(np.int64)
+    tn, fp, fn, tp = (int(v) for v in confusion_matrix(y, pred, labels=[0, 1]).ravel())
+    two_classes = 0 < y.sum() < len(y)
+    return {
+        "auroc": float(roc_auc_score(y, s)) if two_classes else math.nan,
+        "ap": float(average_precision_score(y, s)) if two_classes else math.nan,
+        "f1": _f1(tp, fp, fn),
+        "precision": tp / (tp + fp) if tp + fp else 0.0,
+        "recall": tp / (tp + fn) if tp + fn else 0.0,
+        "tp": tp,
+        "fp": fp,
+        "tn": tn,
+        "fn": fn,
+    }
+
+
+def best_f1_threshold(scores, labels) -> tuple[float, float]:
+    """(threshold, F1) maximising F1 over every distinct score used as a threshold (choose it on validation)."""
+    s = _as_numpy(scores)
+    y = binarize(labels)
+    if y.sum() == 0:
+        return float(s.max()) + 1e-6 if len(s) else 0.5, 0.0
+    precision, recall, thresholds = precision_recall_curve(y, s)
+    # the last (precision=1, recall=0) point has no threshold
+    p, r = precision[:-1], recall[:-1]
+    f1 = np.where(p + r > 0, 2 * p * r / np.maximum(p + r, 1e-12), 0.0)
+    i = int(np.argmax(f1))
+    return float(thresholds[i]), float(f1[i])
+
+
+def static_length_f1(labels, positions_in_round, max_k: int | None = None) -> dict:
+    """F1 of the best static speculation length used as a classifier (DISCO App. D's "F1 static-SL").
+
+    Rounds are reconstructed from the trace by cutting after each rejection (`models.features.round_positions`), so
+    `positions_in_round[i]` is 0 for the first drafted token of a round. A static length K predicts "continue" (1)
+    for the first K positions of a round (position < K) and "stop" (0) after. We report the K in 0..max_k
+    (default: the largest position seen + 1, i.e. up to "never stop") with the best F1 against the labels, which
+    makes the baseline an upper bound for any static K chosen elsewhere.
+
+    Returns dict(f1_static_best, k_best, f1_by_k).
+    """
+    y = binarize(labels)
+    pos = _as_numpy(positions_in_round).astype(np.int64)
+    if len(y) != len(pos):
+        raise ValueError(f"labels ({len(y)}) and positions ({len(pos)}) differ in length")
+    if max_k is None:
+        max_k = int(pos.max()) + 1 if len(pos) else 1
+    f1_by_k = {}
+    for k in range(0, max_k + 1):
+        f1_by_k[k] = float(f1_score(y, (pos < k).astype(np.int64), labels=[0, 1], zero_division=0.0))
+    k_best = max(f1_by_k, key=lambda k: (f1_by_k[k], -k))
+    return {"f1_static_best": f1_by_k[k_best], "k_best": k_best, "f1_by_k": f1_by_k}
+
+
+def roc_pr_points(scores, labels, max_points: int = 1000) -> dict:
+    """ROC (fpr, tpr) and PR (recall, precision) curves as lists, thinned to ≤ max_points for plots and W&B tables."""
+    s = _as_numpy(scores)
+    y = binarize(labels)
+    out = {}
+    if 0 < y.sum() < len(y):
+        fpr, tpr, _ = roc_curve(y, s)
+        precision, recall, _ = precision_recall_curve(y, s)
+        for name, (a, b) in {"roc": (fpr, tpr), "pr": (recall, precision)}.items():
+            idx = np.unique(np.linspace(0, len(a) - 1, min(max_points, len(a))).round().astype(int))
+            out[name] = (a[idx].tolist(), b[idx].tolist())
+    return out
