@@ -108,3 +108,23 @@ def test_default_pair_loads_with_identical_tokenizers():
         p = pair.target(ids).logits.float().softmax(-1)
         q = pair.draft(ids).logits.float().softmax(-1)
     assert torch.isfinite(p).all() and torch.isfinite(q).all()
+
+
+@pytest.mark.parametrize("name", ["pythia_6.9b_160m", "vicuna_13b_68m", "starcoder_tiny", "gptneo_1.3b_125m",
+                                  "gpt2xl_gpt2", "qwen2.5_14b_0.5b"])
+def test_hub_pair_configs_name_hub_ids(name):
+    cfg = OmegaConf.load(f"conf/pair/{name}.yaml")
+    assert cfg.name == name
+    for role in ("target", "draft"):
+        assert cfg[role].source == "hf" and "/" in cfg[role].path
+
+
+def test_unreachable_hub_id_is_one_clear_error(monkeypatch):
+    """Without a hub (as on CI), a hub id fails with a UserError that says what to do, not an HTTP stack."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    cfg = OmegaConf.load("conf/pair/gpt2xl_gpt2.yaml")
+    cfg.device = "cpu"
+    with pytest.raises(UserError, match="cannot load model 'openai-community/gpt2-xl'.*local directory"):
+        load_pair(cfg)
