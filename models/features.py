@@ -111,3 +111,67 @@ class DraftStep:
 
     def disco(self, k: int = DEFAULT_TOPK) -> torch.Tensor:
         return disco_vector(self.topk(k), self.entropy, torch.tensor(float(self.position_in_round)))
+
+
+# ------------------------------------------------------------------------------------ trace columns → head inputs
+
+
+def _np(x):
+    import numpy as np
+
+    if hasattr(x, "detach"):
+        return x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
+def continuation_starts(columns: dict):
+    """Bool per trace row: the first row of a continuation (new prompt_id or kind, or the position not increasing)."""
+    import numpy as np
+
+    pos = _np(columns["position"]).astype(np.int64)
+    starts = np.ones(len(pos), dtype=bool)
+    if len(pos) > 1:
+        same = pos[1:] > pos[:-1]
+        for key in ("prompt_id", "kind"):
+            if key in columns:
+                col = _np(columns[key])
+                same &= col[1:] == col[:-1]
+        starts[1:] = ~same
+    return starts
+
+
+def trace_round_positions(columns: dict):
+    """Position in the draft round for each trace row: rounds cut after each greedy mismatch (draft ≠ argmax p)."""
+    import numpy as np
+
+    accepted = _np(columns["draft_token"]) == _np(columns["target_token"])
+    starts = continuation_starts(columns)
+    # the reference loop lives in round_positions; this vectorised form gives the same answer on long traces
+    n = len(accepted)
+    reset = np.zeros(n, dtype=bool)
+    reset[0:1] = True
+    reset[1:] = starts[1:] | ~accepted[:-1]
+    idx = np.arange(n)
+    last_reset = np.maximum.accumulate(np.where(reset, idx, 0))
+    return idx - last_reset
+
+
+def features_from_columns(columns: dict, spec: FeatureSpec) -> torch.Tensor:
+    """Head input (N, spec.dim) float32 from trace columns (a dict of arrays), the same vector decode builds per step.
+
+    disco: [draft_topk[:, :k], draft_entropy, position in round] (`disco_vector`; the round position comes from
+    `trace_round_positions`); hidden: draft_hidden as float32.
+    """
+    if spec.kind == "disco":
+        topk = torch.as_tensor(_np(columns["draft_topk"]), dtype=torch.float32)
+        if topk.ndim != 2 or topk.shape[1] < spec.k:
+            raise ValueError(f"draft_topk has shape {tuple(topk.shape)}; the feature spec needs k={spec.k}")
+        ent = torch.as_tensor(_np(columns["draft_entropy"]), dtype=torch.float32)
+        pos = torch.as_tensor(trace_round_positions(columns), dtype=torch.float32)
+        return disco_vector(topk[:, : spec.k], ent, pos)
+    if spec.kind == "hidden":
+        hidden = torch.as_tensor(_np(columns["draft_hidden"])).float()
+        if hidden.ndim != 2 or hidden.shape[1] != spec.d:
+            raise ValueError(f"draft_hidden has shape {tuple(hidden.shape)}; the feature spec needs d={spec.d}")
+        return hidden
+    raise ValueError(f"unknown feature kind '{spec.kind}'")

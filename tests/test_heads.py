@@ -1,0 +1,117 @@
+"""models.heads: the three architectures, normalisation inside the head, checkpoint → HeadBundle round trip."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models.features import DraftStep, FeatureSpec, features_from_columns, round_positions, trace_round_positions
+from models.heads import CKPT_KEY, HeadBundle, ResBlock, StopHead, build_head, load_head
+from utils.cli import UserError
+
+
+def test_architectures_shapes_and_kinds():
+    disco = build_head("disco", FeatureSpec("disco", k=10), {"hidden": 16})
+    assert disco(torch.randn(5, 12)).shape == (5,)
+    assert len([m for m in disco.net.modules() if isinstance(m, torch.nn.Linear)]) == 2
+    sprinter = build_head("sprinter", FeatureSpec("hidden", d=8))
+    assert sprinter(torch.randn(3, 8)).shape == (3,)
+    assert sum(p.numel() for p in sprinter.parameters()) == 9  # one linear layer
+    spp = build_head("specdecpp", FeatureSpec("hidden", d=8), {"num_blocks": 3})
+    blocks = [m for m in spp.modules() if isinstance(m, ResBlock)]
+    assert len(blocks) == 3
+    # independent weights per block
+    assert len({id(b.linear.weight) for b in blocks}) == 3
+    with pytest.raises(UserError, match="reads 'hidden' features"):
+        build_head("sprinter", FeatureSpec("disco"))
+    with pytest.raises(UserError, match="store_hidden"):
+        build_head("specdecpp", FeatureSpec("hidden", d=0))
+
+
+def test_normalisation_inside_head():
+    head = StopHead("sprinter", 4)
+    x = torch.randn(10, 4) * 5 + 3
+    head.set_normalization(x.mean(0), torch.tensor([1.0, 2.0, 0.0, 4.0]))
+    assert head.std[2] == 1.0  # constant column keeps std 1
+    expected = head.net((x - head.mean) / head.std)
+    torch.testing.assert_close(head(x), expected)
+
+
+def test_features_from_columns_disco_matches_decode_step():
+    """A trace row's vector equals the DraftStep vector decode builds for the same distribution and round position."""
+    torch.manual_seed(0)
+    probs = torch.softmax(torch.randn(6, 30), -1)
+    cols = {
+        "draft_topk": probs.topk(10, -1).values.numpy(),
+        "draft_entropy": (-(probs * probs.log()).sum(-1)).numpy(),
+        "draft_token": [1, 2, 3, 4, 5, 6],
+        "target_token": [1, 2, 0, 4, 0, 6],  # rejections after rows 2 and 4
+        "position": [0, 1, 2, 3, 4, 5],
+        "prompt_id": ["a"] * 6,
+    }
+    x = features_from_columns(cols, FeatureSpec("disco", k=10))
+    assert x.shape == (6, 12)
+    assert trace_round_positions(cols).tolist() == [0, 1, 2, 0, 1, 0]
+    for i in range(6):
+        step = DraftStep(probs=probs[i], token=cols["draft_token"][i], hidden=None,
+                         position_in_round=int(trace_round_positions(cols)[i]), position=i)
+        torch.testing.assert_close(x[i], step.disco(10))
+
+
+def test_round_positions_vectorised_equals_reference():
+    g = torch.Generator().manual_seed(1)
+    n = 400
+    cols = {"draft_token": torch.randint(0, 3, (n,), generator=g).numpy(),
+            "target_token": torch.randint(0, 3, (n,), generator=g).numpy(),
+            "position": [i % 50 for i in range(n)], "prompt_id": [f"p{i // 100}" for i in range(n)]}
+    starts = torch.tensor([i % 50 == 0 for i in range(n)])
+    ref = round_positions(torch.tensor(cols["draft_token"] == cols["target_token"]), starts)
+    assert trace_round_positions(cols).tolist() == ref.tolist()
+
+
+def _bundle_ckpt(tmp_path, kind="specdecpp"):
+    spec = FeatureSpec("hidden", d=8) if kind != "disco" else FeatureSpec("disco")
+    head = build_head(kind, spec, {"num_blocks": 2} if kind == "specdecpp" else None)
+    for p in head.parameters():
+        torch.nn.init.normal_(p)
+    head.set_normalization(torch.randn(spec.dim), torch.rand(spec.dim) + 0.5)
+    bundle = HeadBundle(head, kind, spec, {"name": "accept_prob"}, 0.3, "tiny_random", "abc",
+                        {"num_blocks": 2} if kind == "specdecpp" else {})
+    path = tmp_path / "h.ckpt"
+    torch.save({"state_dict": {f"head.{k}": v for k, v in head.state_dict().items()}, CKPT_KEY: bundle.meta()}, path)
+    return bundle, path
+
+
+def test_load_head_round_trip(tmp_path):
+    bundle, path = _bundle_ckpt(tmp_path)
+    loaded = load_head(path)
+    x = torch.randn(7, 8)
+    torch.testing.assert_close(loaded.prob(x), bundle.prob(x), rtol=0, atol=0)
+    assert (loaded.kind, loaded.threshold, loaded.pair_id, loaded.spec) == ("specdecpp", 0.3, "tiny_random", bundle.spec)
+    assert not loaded.head.training
+
+
+def test_load_head_errors(tmp_path):
+    with pytest.raises(UserError, match="not found"):
+        load_head(tmp_path / "missing.ckpt")
+    bad = tmp_path / "bad.ckpt"
+    torch.save({"state_dict": {}}, bad)
+    with pytest.raises(UserError, match="not a stop-head checkpoint"):
+        load_head(bad)
+    junk = tmp_path / "junk.ckpt"
+    junk.write_text("hello")
+    with pytest.raises(UserError, match="not a readable checkpoint"):
+        load_head(junk)
+
+
+def test_check_pair(tmp_path, tiny_pair):
+    bundle, _ = _bundle_ckpt(tmp_path)
+    with pytest.raises(UserError, match="trained on pair tiny_random .*this run uses pair tiny_random"):
+        bundle.check_pair(tiny_pair)  # tokenizer hash "abc" differs
+    bundle.tokenizer_hash = tiny_pair.tokenizer_hash
+    with pytest.raises(UserError, match="hidden states of size 8"):
+        bundle.check_pair(tiny_pair)
+    bundle.spec = FeatureSpec("hidden", d=64)
+    bundle.check_pair(tiny_pair)
+    with pytest.raises(UserError, match="expects features of size 64"):
+        bundle.prob(torch.randn(2, 8))
