@@ -1,0 +1,242 @@
+"""Make, resume or reuse the traces of one (pair, dataset, trace kind, decoding settings, split).
+
+`generate(cfg, split, pair)` is what `python -m data_gen` runs and what `python -m train` / `python -m eval` call.
+It reads top-level keys with defaults (`batch_size`, `limit`, `shard_id`, `num_shards`, `overwrite`,
+`prompts_per_shard`, `max_prompt_tokens`, `prompt_overflow`) so a config lacking some still works.
+
+Plan: prompts are rendered and tokenized, over-long ones truncated/skipped/refused (and counted aloud), then cut into
+fixed groups of `prompts_per_shard` in prompt order; group g is shard g, written by job `g % num_shards`. Every check
+that can fail on user input runs before anything is written.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import time
+from pathlib import Path
+
+from omegaconf import DictConfig
+from tqdm import tqdm
+
+from data_gen import store
+from data_gen.prompts import load_prompts, render
+from data_gen.traces import KINDS_INTERLEAVED, Item, trace_batch
+from utils.cli import UserError
+
+TRACE_KINDS = ("target_ar", "interleaved")
+OVERFLOW = ("truncate", "skip", "error")
+
+
+def settings(cfg: DictConfig) -> dict:
+    """Top-level generation settings with their defaults (validated)."""
+    s = {
+        "batch_size": int(cfg.get("batch_size", 8) or 8),
+        "limit": cfg.get("limit"),
+        "shard_id": int(cfg.get("shard_id", 0) or 0),
+        "num_shards": int(cfg.get("num_shards", 1) or 1),
+        "overwrite": bool(cfg.get("overwrite", False)),
+        "prompts_per_shard": int(cfg.get("prompts_per_shard", 16) or 16),
+        "max_prompt_tokens": cfg.get("max_prompt_tokens"),
+        "prompt_overflow": str(cfg.get("prompt_overflow", "truncate")),
+        "progress": bool(cfg.get("progress", True)),
+    }
+    if s["batch_size"] < 1 or s["prompts_per_shard"] < 1:
+        raise UserError("batch_size and prompts_per_shard must be >= 1")
+    if not 0 <= s["shard_id"] < s["num_shards"]:
+        raise UserError(f"shard_id={s['shard_id']} must be in [0, num_shards={s['num_shards']})")
+    if s["prompt_overflow"] not in OVERFLOW:
+        raise UserError(f"prompt_overflow={s['prompt_overflow']} is not one of: {', '.join(OVERFLOW)}")
+    kind = str(cfg.trace.get("kind"))
+    if kind not in TRACE_KINDS:
+        raise UserError(f"trace.kind={kind} is not one of: {', '.join(TRACE_KINDS)}")
+    if int(cfg.trace.max_new_tokens) < 1:
+        raise UserError("trace.max_new_tokens must be >= 1")
+    return s
+
+
+def _encode(tokenizer, text: str, special: bool) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=special)["input_ids"])
+
+
+def prepare_items(cfg: DictConfig, pair, prompts, s: dict) -> tuple[list[Item], str | None]:
+    """Token ids per prompt, the over-long ones handled per `prompt_overflow`; returns (items, a note to print)."""
+    t = cfg.trace
+    max_new = int(t.max_new_tokens)
+    context = getattr(pair.target.config, "max_position_embeddings", None)
+    budget = int(s["max_prompt_tokens"]) if s["max_prompt_tokens"] is not None else None
+    if context is not None:
+        fit = int(context) - max_new
+        if fit < 1:
+            raise UserError(f"trace.max_new_tokens={max_new} leaves no room for a prompt in the model context of {context}")
+        budget = fit if budget is None else min(budget, fit)
+    tok = pair.tokenizer
+    special = not pair.chat_template
+    items, long_ids, empty = [], [], 0
+    for p in prompts:
+        ids = _encode(tok, render(p, tok, pair.chat_template), special)
+        if not ids:
+            empty += 1
+            continue
+        if budget is not None and len(ids) > budget:
+            long_ids.append(p.prompt_id)
+            if s["prompt_overflow"] == "skip":
+                continue
+            ids = ids[-budget:]  # keep the end: the chat template's generation prompt and the task text next to it
+        items.append(Item(p.prompt_id, p.split, "target_ar", ids, meta={"reference": p.reference}))
+    note_parts = []
+    if long_ids:
+        if s["prompt_overflow"] == "error":
+            raise UserError(
+                f"{len(long_ids)} of {len(prompts)} prompts are longer than {budget} tokens (model context {context} "
+                f"minus max_new_tokens {max_new}; first: {long_ids[0]}); set prompt_overflow=truncate or skip, "
+                "or lower trace.max_new_tokens"
+            )
+        verb = "truncated to their last" if s["prompt_overflow"] == "truncate" else "skipped (longer than"
+        note_parts.append(
+            f"{len(long_ids)} of {len(prompts)} prompts {verb} {budget} tokens{')' if verb.startswith('skipped') else ''} "
+            f"(prompt_overflow={s['prompt_overflow']})"
+        )
+    if empty:
+        note_parts.append(f"{empty} empty prompts skipped")
+    if not items:
+        raise UserError(f"no prompts left to trace ({'; '.join(note_parts) or 'empty prompt set'}); check dataset/split/limit")
+    if str(t.kind) == "interleaved":
+        for i, it in enumerate(items):
+            it.kind = KINDS_INTERLEAVED[i % 4]  # equal shares, fixed by prompt order
+            if it.kind == "prompt":
+                ref = it.meta.get("reference")
+                forced = _encode(tok, ref, False)[:max_new] if ref else []
+                if not forced:  # no reference: the original text is the prompt's own tail
+                    n = min(max_new, len(it.prefix) // 2)
+                    if n < 1:
+                        it.kind = "target"
+                        continue
+                    it.prefix, forced = it.prefix[:-n], it.prefix[-n:]
+                it.forced = forced
+    return items, "; ".join(note_parts) or None
+
+
+def _summary_line(folder: Path, m: dict, seconds: float | None = None, positions: int | None = None) -> str:
+    rate = f", {positions / seconds:.1f} positions/s over {seconds:.1f}s" if seconds and positions else ""
+    return (
+        f"traces {folder}: {m.get('rows')} rows from {m.get('prompts')} prompts; mean acceptance Σmin(p,q) = 1−TVD "
+        f"{m.get('mean_acceptance', float('nan')):.4f}, greedy match rate {m.get('greedy_match_rate', float('nan')):.4f}{rate}"
+    )
+
+
+def generate(cfg: DictConfig, split: str, pair=None) -> Path:
+    """Make, resume or reuse the traces for cfg.pair x cfg.dataset x cfg.trace x split; returns the trace folder.
+
+    Idempotent: a complete folder with the same config hash is reused as is; a partial one is resumed; a different
+    config is refused unless `overwrite=true`. With `num_shards > 1` this job writes only its shards; the folder is
+    finalized by whichever job finishes last (or by `verify=true`).
+    """
+    s = settings(cfg)
+    prompts = load_prompts(cfg.dataset, split, s["limit"])  # unknown split / empty set → UserError, nothing written
+    folder = store.trace_folder(cfg, split)
+    chash = store.config_hash(cfg)
+    manifest = store.read_manifest(folder)
+    if manifest is not None and manifest.get("config_hash") != chash and not s["overwrite"]:
+        raise UserError(
+            f"traces at {folder} were made with another config (hash {manifest.get('config_hash')} != {chash}); "
+            "rerun with overwrite=true to replace them, or pick another trace_root"
+        )
+    if manifest is not None and manifest.get("config_hash") == chash and manifest.get("complete"):
+        print(f"reusing complete {_summary_line(folder, manifest)}", flush=True)
+        return folder
+    store.check_writable(folder.parent)
+    if pair is None:
+        from models.pair import load_pair
+
+        pair = load_pair(cfg.pair)
+    if str(pair.name) != str(cfg.pair.name):
+        raise UserError(f"generate() got pair {pair.name} but cfg.pair is {cfg.pair.name}; pass the matching pair")
+    items, note = prepare_items(cfg, pair, prompts, s)
+    if note:
+        print(f"note: {note}", flush=True)
+    pps = s["prompts_per_shard"]
+    n_planned = math.ceil(len(items) / pps)
+    if manifest is not None and manifest.get("config_hash") == chash:
+        shards = store.existing_shards(folder, full=True)  # corrupt shard → one line naming it, before any write
+        if manifest.get("num_shards_planned") != n_planned:
+            raise UserError(f"{folder} plans {manifest.get('num_shards_planned')} shards but this run {n_planned}; rerun with overwrite=true")
+    else:
+        if folder.exists() and s["overwrite"]:
+            shutil.rmtree(folder)
+        elif folder.exists() and any(folder.iterdir()):
+            # a folder without our manifest (or a changed config under overwrite=false was handled above)
+            leftovers = [p for p in folder.iterdir() if not p.name.startswith(".tmp-")]
+            if leftovers:
+                raise UserError(f"{folder} exists without a valid manifest; remove it or rerun with overwrite=true")
+        folder.mkdir(parents=True, exist_ok=True)
+        k = int(cfg.trace.get("topk", 10))
+        store_hidden = bool(cfg.trace.get("store_hidden", str(cfg.trace.kind) == "interleaved"))
+        manifest = {
+            "config_hash": chash,
+            "config": store.hash_payload(cfg),
+            "pair_id": pair.pair_id,
+            "tokenizer_hash": pair.tokenizer_hash,
+            "code_version": store.code_version(),
+            "trace_kind": str(cfg.trace.kind),
+            "split": split,
+            "topk": k,
+            "hidden_size": int(pair.draft.config.hidden_size) if store_hidden else 0,
+            "temperature": float(cfg.trace.get("temperature", 0.0)),
+            "top_p": float(cfg.trace.get("top_p", 1.0)),
+            "max_new_tokens": int(cfg.trace.max_new_tokens),
+            "vocab_size": pair.vocab_size,
+            "prompts_per_shard": pps,
+            "num_prompts": len(items),
+            "num_shards_planned": n_planned,
+            "prompt_note": note,
+            "complete": False,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        store.write_json_atomic(folder / store.MANIFEST, manifest)
+        shards = {}
+    mine = [g for g in range(n_planned) if g % s["num_shards"] == s["shard_id"] and g not in shards]
+    if shards and mine:
+        print(f"resuming {folder}: {len(shards)} of {n_planned} shards already done", flush=True)
+    positions, start = 0, time.perf_counter()
+    bar = tqdm(total=sum(len(items[g * pps : (g + 1) * pps]) for g in mine), unit="prompt", desc=f"data_gen {split}",
+               disable=not s["progress"], dynamic_ncols=True)
+    for g in mine:
+        group = items[g * pps : (g + 1) * pps]
+        order = sorted(range(len(group)), key=lambda i: -len(group[i].prefix))  # similar lengths batch together
+        rows: list[dict | None] = [None] * len(group)
+        for b in range(0, len(order), s["batch_size"]):
+            idx = order[b : b + s["batch_size"]]
+            for i, r in zip(idx, trace_batch(pair, [group[i] for i in idx], cfg.trace)):
+                rows[i] = r
+                positions += r["n"]
+            bar.update(len(idx))
+            bar.set_postfix_str(f"{positions / max(time.perf_counter() - start, 1e-9):.1f} positions/s")
+        store.remove_stale_tmp(folder, g)
+        meta = store.write_shard(folder, g, rows, manifest["topk"], manifest["hidden_size"], {"config_hash": chash})
+        shards[g] = meta
+    bar.close()
+    elapsed = time.perf_counter() - start
+    shards = store.existing_shards(folder, full=False)  # other jobs may have written theirs meanwhile
+    missing = store.missing_shards(manifest, shards)
+    if missing:
+        print(
+            f"shard job {s['shard_id']}/{s['num_shards']} done: {len(shards)} of {n_planned} shards present in {folder}; "
+            "run the same command with verify=true once every job has finished",
+            flush=True,
+        )
+        return folder
+    manifest = store.finalize(folder, manifest, shards)
+    print(_summary_line(folder, manifest, elapsed if mine else None, positions), flush=True)
+    return folder
+
+
+def verify_cmd(cfg: DictConfig, split: str) -> Path:
+    """`verify=true`: check the folder these settings name is complete and intact, merge its manifest, summarise."""
+    folder = store.trace_folder(cfg, split)
+    manifest = store.read_manifest(folder)
+    if manifest is not None and manifest.get("config_hash") != store.config_hash(cfg):
+        raise UserError(f"traces at {folder} were made with another config than this command's; check the overrides")
+    manifest = store.verify(folder)
+    print(f"verified {_summary_line(folder, manifest)}", flush=True)
+    return folder

@@ -1,0 +1,315 @@
+"""Trace storage: one folder per (pair, dataset, trace kind, decoding settings, split), Arrow shards + a manifest.
+
+Layout of a trace folder:
+    manifest.json        config, config_hash, pair id, tokenizer hash, code version, the shard plan; after the last
+                         shard also rows, stats and `complete: true`
+    shard-00000/         one fixed group of `prompts_per_shard` prompts, written by `Dataset.save_to_disk` into a
+                         hidden temp dir and renamed into place only when complete (so a SIGKILL never leaves a
+                         half shard visible); `shard.json` inside records its rows, prompt ids and arrow checksums.
+
+A rerun skips the shards that exist, so it ends with exactly the rows of an uninterrupted run. The config hash
+decides whether an existing folder is reused; a different config is refused (`overwrite=true` starts over).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+from omegaconf import DictConfig, OmegaConf
+
+from utils.cli import UserError
+
+FORMAT_VERSION = 1
+REPO_ROOT = Path(__file__).resolve().parent.parent
+MANIFEST = "manifest.json"
+SHARD_META = "shard.json"
+SCALARS = ("q_draft", "p_draft", "tvd", "draft_entropy", "target_entropy")
+
+
+# ------------------------------------------------------------------------------------------------------ naming
+
+
+def _fmt(x) -> str:
+    return f"{float(x):g}"
+
+
+def folder_name(cfg: DictConfig, split: str) -> str:
+    """`<pair>--<dataset>--<kind>-t<T>-p<top_p>-n<max_new>-s<seed>[-h]--<split>[-lim<N>]` (readable, no hash)."""
+    t = cfg.trace
+    dataset = str(cfg.dataset.name)
+    if cfg.dataset.get("category") not in (None, "all") and dataset == str(cfg.dataset.get("loader")):
+        dataset += f"-{cfg.dataset.category}"
+    hidden = bool(t.get("store_hidden", str(t.kind) == "interleaved"))
+    decoding = (
+        f"{t.kind}-t{_fmt(t.get('temperature', 0))}-p{_fmt(t.get('top_p', 1.0))}-n{int(t.max_new_tokens)}"
+        f"-s{int(t.get('seed', 0))}{'-h' if hidden else ''}"
+    )
+    limit = cfg.get("limit")
+    tail = f"-lim{int(limit)}" if limit is not None and int(limit) >= 0 else ""
+    return f"{cfg.pair.name}--{dataset}--{decoding}--{split}{tail}"
+
+
+def trace_folder(cfg: DictConfig, split: str) -> Path:
+    """Where the traces for cfg.pair x cfg.dataset x cfg.trace x split live (whether or not they exist yet)."""
+    root = cfg.get("trace_root") or "traces"
+    return Path(os.path.expanduser(str(root))) / folder_name(cfg, split)
+
+
+def hash_payload(cfg: DictConfig) -> dict:
+    """Everything that decides the rows (not batch size, device or sharding, which never change them)."""
+    pair = OmegaConf.to_container(cfg.pair, resolve=True)
+    for key in ("device", "cache_dir"):
+        pair.pop(key, None)
+    return {
+        "format": FORMAT_VERSION,
+        "pair": pair,
+        "dataset": OmegaConf.to_container(cfg.dataset, resolve=True),
+        "trace": OmegaConf.to_container(cfg.trace, resolve=True),
+        "limit": cfg.get("limit"),
+        "prompts_per_shard": int(cfg.get("prompts_per_shard", 16)),
+        "max_prompt_tokens": cfg.get("max_prompt_tokens"),
+        "prompt_overflow": str(cfg.get("prompt_overflow", "truncate")),
+    }
+
+
+def config_hash(cfg: DictConfig) -> str:
+    blob = json.dumps(hash_payload(cfg), sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def code_version() -> str:
+    """The git commit of this checkout (with `+dirty` when data_gen/ or models/ have local edits), else `unknown`."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
+        if head.returncode != 0:
+            return "unknown"
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "data_gen", "models"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10
+        )
+        return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+# ------------------------------------------------------------------------------------------------ atomic writes
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True, default=str))
+    os.replace(tmp, path)
+
+
+def read_manifest(folder: Path) -> dict | None:
+    path = Path(folder) / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError:
+        raise UserError(f"{path} is corrupt (not JSON); delete the folder {folder} or rerun with overwrite=true") from None
+
+
+def check_writable(root: Path) -> None:
+    """Refuse an unwritable trace root before any work (one line, nothing written)."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".write-probe-{uuid.uuid4().hex[:8]}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise UserError(f"trace_root {root} is not writable ({err.strerror or err}); pass trace_root=<a writable dir>") from None
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}"
+
+
+# ------------------------------------------------------------------------------------------------------- shards
+
+
+def _table(rows: list[dict], topk: int, hidden: int):
+    """A pyarrow table of trace rows from per-continuation column dicts (see data_gen.traces.trace_batch)."""
+    import pyarrow as pa
+
+    def cat(name, dtype):
+        parts = [np.asarray(r[name], dtype=dtype) for r in rows]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+
+    def rep(name):
+        return [r[name] for r in rows for _ in range(r["n"])]
+
+    cols = {
+        "prompt_id": pa.array(rep("prompt_id"), pa.string()),
+        "split": pa.array(rep("split"), pa.string()),
+        "kind": pa.array(rep("kind"), pa.string()),
+        "position": pa.array(cat("position", np.int32)),
+        "draft_token": pa.array(cat("draft_token", np.int32)),
+        "target_token": pa.array(cat("target_token", np.int32)),
+    }
+    for name in SCALARS:
+        cols[name] = pa.array(cat(name, np.float32))
+    topk_flat = np.concatenate([np.asarray(r["draft_topk"], np.float32).reshape(-1) for r in rows]) if rows else np.zeros(0, np.float32)
+    cols["draft_topk"] = pa.FixedSizeListArray.from_arrays(pa.array(topk_flat), topk)
+    if hidden:
+        flat = np.concatenate([np.asarray(r["draft_hidden"], np.float16).reshape(-1) for r in rows])
+        cols["draft_hidden"] = pa.FixedSizeListArray.from_arrays(pa.array(flat), hidden)
+    return pa.table(cols)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_shard(folder: Path, index: int, rows: list[dict], topk: int, hidden: int, extra: dict) -> dict:
+    """Write one shard atomically: save into a hidden temp dir, record checksums, then rename into place."""
+    from datasets import Dataset
+
+    folder = Path(folder)
+    final = folder / shard_name(index)
+    tmp = folder / f".tmp-{shard_name(index)}-{uuid.uuid4().hex[:8]}"
+    import datasets
+
+    ds = Dataset(_table(rows, topk, hidden))
+    bars = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # our own bar is the one to watch
+    try:
+        ds.save_to_disk(str(tmp))
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
+    arrows = sorted(tmp.glob("*.arrow"))
+    meta = {
+        "shard": index,
+        "rows": ds.num_rows,
+        "prompt_ids": [r["prompt_id"] for r in rows],
+        "files": {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in arrows},
+        "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **extra,
+    }
+    write_json_atomic(tmp / SHARD_META, meta)
+    os.rename(tmp, final)
+    return meta
+
+
+def remove_stale_tmp(folder: Path, index: int) -> None:
+    """Temp dirs of a shard this process is about to (re)write are leftovers of a killed run: remove them."""
+    for stale in Path(folder).glob(f".tmp-{shard_name(index)}-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def check_shard(path: Path, full: bool = True) -> dict:
+    """The shard's meta, or a UserError naming the corrupt shard and the fix. `full` re-hashes the arrow files."""
+    fix = f"delete {path} and rerun the same command to regenerate it (or overwrite=true to start the folder over)"
+    meta_path = path / SHARD_META
+    try:
+        meta = json.loads(meta_path.read_text())
+        files = meta["files"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError):
+        raise UserError(f"corrupt trace shard {path} (missing or unreadable {SHARD_META}); {fix}") from None
+    for name, info in files.items():
+        f = path / name
+        if not f.is_file() or f.stat().st_size != info["bytes"] or (full and _sha256(f) != info["sha256"]):
+            raise UserError(f"corrupt trace shard {path} ({name} is missing or differs from its checksum); {fix}")
+    return meta
+
+
+def existing_shards(folder: Path, full: bool = True) -> dict[int, dict]:
+    """{shard index: meta} for every visible shard in the folder, each checked (corrupt → UserError)."""
+    out = {}
+    for path in sorted(Path(folder).glob("shard-*")):
+        if path.is_dir():
+            out[int(path.name.split("-")[1])] = check_shard(path, full=full)
+    return out
+
+
+def shard_stats(folder: Path, shards: dict[int, dict]) -> dict:
+    """Rows and acceptance statistics over the given shards (read from the Arrow files, memory-mapped)."""
+    from datasets import load_from_disk
+
+    rows, acc, match, prompts = 0, 0.0, 0.0, 0
+    for index in sorted(shards):
+        ds = load_from_disk(str(Path(folder) / shard_name(index))).with_format("numpy", columns=["tvd", "draft_token", "target_token"])
+        if ds.num_rows:
+            cols = ds[:]
+            acc += float((1.0 - cols["tvd"].astype(np.float64)).sum())
+            match += float((cols["draft_token"] == cols["target_token"]).sum())
+        rows += ds.num_rows
+        prompts += len(shards[index].get("prompt_ids", []))
+    return {
+        "rows": rows,
+        "prompts": prompts,
+        "mean_acceptance": acc / rows if rows else float("nan"),
+        "greedy_match_rate": match / rows if rows else float("nan"),
+    }
+
+
+def finalize(folder: Path, manifest: dict, shards: dict[int, dict]) -> dict:
+    """Mark a folder complete (all planned shards present): add rows and stats to its manifest, atomically."""
+    stats = shard_stats(folder, shards)
+    manifest = dict(manifest, complete=True, **stats)
+    manifest["shard_rows"] = {shard_name(i): shards[i]["rows"] for i in sorted(shards)}
+    write_json_atomic(Path(folder) / MANIFEST, manifest)
+    return manifest
+
+
+def missing_shards(manifest: dict, shards: dict[int, dict]) -> list[int]:
+    return [i for i in range(int(manifest["num_shards_planned"])) if i not in shards]
+
+
+def verify(folder: Path) -> dict:
+    """Check a (possibly multi-job) trace folder is complete and intact, then finalize its manifest (merge step)."""
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    if manifest is None:
+        raise UserError(f"no traces at {folder} (no {MANIFEST}); run python -m data_gen with the same settings first")
+    shards = existing_shards(folder, full=True)
+    missing = missing_shards(manifest, shards)
+    if missing:
+        names = ", ".join(shard_name(i) for i in missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise UserError(
+            f"traces at {folder} are incomplete: {len(missing)} of {manifest['num_shards_planned']} shards missing ({names}); "
+            "rerun the data_gen jobs (same command, all shard_id values) to finish them"
+        )
+    return finalize(folder, manifest, shards)
+
+
+def load_traces(folder: Path | str):
+    """(datasets.Dataset of all rows in shard order, manifest) for a complete trace folder; UserError otherwise."""
+    from datasets import concatenate_datasets, load_from_disk
+
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    if manifest is None:
+        raise UserError(f"no traces at {folder}; generate them with python -m data_gen (train/eval do it via the same settings)")
+    shards = existing_shards(folder, full=False)
+    missing = missing_shards(manifest, shards)
+    if missing:
+        raise UserError(
+            f"traces at {folder} are incomplete ({len(missing)} of {manifest['num_shards_planned']} shards missing); "
+            "rerun python -m data_gen with the same settings to finish them"
+        )
+    parts = []
+    for index in sorted(shards):
+        try:
+            parts.append(load_from_disk(str(folder / shard_name(index))))
+        except Exception as err:  # noqa: BLE001 — any read failure means a damaged shard
+            raise UserError(
+                f"corrupt trace shard {folder / shard_name(index)} ({type(err).__name__}); delete it and rerun python -m data_gen"
+            ) from None
+    ds = concatenate_datasets(parts) if len(parts) > 1 else parts[0]
+    if not manifest.get("complete"):
+        manifest = dict(manifest, complete=True, rows=ds.num_rows)
+    return ds, manifest

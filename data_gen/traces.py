@@ -1,0 +1,240 @@
+"""Trace generation: batched rollouts with KV caches, then per-position draft/target statistics (one row each).
+
+Two trace kinds (DESIGN.md "Trace kinds"):
+- `target_ar` (DISCO): the target generates the continuation (greedy, or sampled with a per-prompt seed). p at every
+  generated position comes from the generation steps themselves (the logits the target produced that token from;
+  `p_source: teacher_forced` recomputes them in one batched pass instead, equal within fp error — tested), and ONE
+  batched teacher-forced draft pass over prompt + continuation gives q (and the draft's last hidden state).
+  The drafted token is argmax q (greedy) or x ~ q (sampling).
+- `interleaved` (SPRINTER): each prompt gets one of four context kinds in equal shares — `prompt` (original text:
+  the reference continuation, or the prompt's own tail when there is none), `draft` (the draft's completion),
+  `target` (the target's completion), `mixed` (each token from draft or target at random). One joint rollout steps
+  both models on the shared context, so q, the draft's hidden state and p are known at every position without
+  extra passes; then the draft samples x ~ q at each position and p(x) is read off.
+
+Batch invariance: prompts are left-padded with an attention mask and explicit position ids, and every random draw
+comes from a generator seeded by (trace seed, prompt id), consumed the same way whatever the batch — so batch size,
+shard split and resume never change a row (up to fp rounding of batched matmuls).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from models.features import draft_probs, entropy, topk_probs
+
+KINDS_INTERLEAVED = ("prompt", "draft", "target", "mixed")
+
+
+@dataclass
+class Item:
+    """One prompt to trace: its token ids after rendering/truncation and, for `prompt` contexts, forced tokens."""
+
+    prompt_id: str
+    split: str
+    kind: str  # target_ar | prompt | draft | target | mixed
+    prefix: list[int]
+    forced: list[int] | None = None
+    meta: dict = field(default_factory=dict)
+
+
+def prompt_generator(seed: int, prompt_id: str, purpose: str) -> torch.Generator:
+    """A CPU generator seeded by (seed, prompt, purpose): the same draws for a prompt whatever batch/shard it is in."""
+    digest = hashlib.sha256(f"{seed}:{prompt_id}:{purpose}".encode()).digest()
+    gen = torch.Generator()
+    gen.manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+    return gen
+
+
+def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Tokens drawn from rows of `probs` (N, V) with given uniforms u (N,): the first index whose CDF exceeds u."""
+    cdf = probs.float().cumsum(-1)
+    u = (u.to(cdf.device) * cdf[:, -1]).unsqueeze(-1)
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_max(probs.shape[-1] - 1)
+
+
+def eos_ids(pair) -> set[int]:
+    """Every id that ends a continuation: the tokenizer's EOS plus the generation config's (may be a list)."""
+    ids = set()
+    if pair.tokenizer.eos_token_id is not None:
+        ids.add(int(pair.tokenizer.eos_token_id))
+    gen_eos = getattr(getattr(pair.target, "generation_config", None), "eos_token_id", None)
+    if isinstance(gen_eos, int):
+        ids.add(gen_eos)
+    elif gen_eos:
+        ids.update(int(i) for i in gen_eos)
+    return ids
+
+
+def _left_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids, attention mask, position ids) for left-padded sequences; positions count real tokens only."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if s:
+            ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+            mask[i, width - len(s) :] = 1
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    return ids.to(device), mask.to(device), pos.to(device)
+
+
+def _forward(model, ids, mask, pos, cache=None):
+    """Last hidden states (after the final norm) of a causal LM; the LM head is applied by the caller where needed."""
+    out = model.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=cache is not None)
+    return out.last_hidden_state
+
+
+def _head(model, hidden: torch.Tensor, vocab: int) -> torch.Tensor:
+    return model.get_output_embeddings()(hidden)[..., :vocab]
+
+
+@dataclass
+class Rollout:
+    tokens: list[list[int]]  # continuation per row (ends with EOS when one was produced)
+    target_logits: torch.Tensor | None  # (B, steps, V) logits the target produced each continuation token from
+    draft_logits: torch.Tensor | None  # (B, steps, V) same for the draft (joint rollouts only)
+    draft_hidden: torch.Tensor | None  # (B, steps, d)
+
+
+@torch.no_grad()
+def rollout(pair, items: list[Item], trace_cfg, step_draft: bool) -> Rollout:
+    """Generate every item's continuation with KV caches, batched (left padding + masks + explicit positions).
+
+    The target always steps; the draft steps too when `step_draft` (interleaved: draft and mixed contexts need its
+    tokens, and its q/hidden come for free). Finished rows keep stepping on padding until the batch is done; their
+    extra tokens are dropped, and causal masking keeps them from touching other rows.
+    """
+    from transformers import DynamicCache
+
+    vocab, device = pair.vocab_size, pair.device
+    temperature, top_p = float(trace_cfg.get("temperature", 0.0)), float(trace_cfg.get("top_p", 1.0))
+    max_new = int(trace_cfg.max_new_tokens)
+    mix_share = float(trace_cfg.get("mix_draft_share", 0.5))
+    seed = int(trace_cfg.get("seed", 0))
+    stop = eos_ids(pair)
+    pad_id = pair.tokenizer.pad_token_id
+    gens = [prompt_generator(seed, it.prompt_id, "rollout") for it in items]
+    ids, mask, pos = _left_pad([it.prefix for it in items], pad_id, device)
+    caches = {"t": DynamicCache(), "d": DynamicCache() if step_draft else None}
+    t_hidden = _forward(pair.target, ids, mask, pos, caches["t"])[:, -1]
+    d_hidden = _forward(pair.draft, ids, mask, pos, caches["d"])[:, -1] if step_draft else None
+    next_pos = pos[:, -1] + 1
+    B = len(items)
+    tokens: list[list[int]] = [[] for _ in range(B)]
+    done = [False] * B
+    t_steps, d_steps, h_steps = [], [], []
+    for step in range(max_new):
+        t_logits = _head(pair.target, t_hidden, vocab)
+        t_steps.append(t_logits)
+        u = torch.stack([torch.rand(3, generator=g) for g in gens])  # (B, 3): mix choice, target draw, draft draw
+        if temperature > 0:
+            t_tok = sample_inverse_cdf(draft_probs(t_logits, temperature, top_p), u[:, 1])
+        else:
+            t_tok = t_logits.argmax(-1)
+        if step_draft:
+            d_logits = _head(pair.draft, d_hidden, vocab)
+            d_steps.append(d_logits)
+            h_steps.append(d_hidden)
+            if temperature > 0:
+                d_tok = sample_inverse_cdf(draft_probs(d_logits, temperature, top_p), u[:, 2])
+            else:
+                d_tok = d_logits.argmax(-1)
+        chosen = []
+        for i, it in enumerate(items):
+            if it.kind == "prompt":
+                tok = it.forced[step] if step < len(it.forced) else pad_id
+            elif it.kind == "draft" or (it.kind == "mixed" and float(u[i, 0]) < mix_share):
+                tok = int(d_tok[i])
+            else:
+                tok = int(t_tok[i])
+            chosen.append(tok)
+            if not done[i]:
+                tokens[i].append(tok)
+                if tok in stop or (it.kind == "prompt" and len(tokens[i]) >= len(it.forced)):
+                    done[i] = True
+        if all(done) or step == max_new - 1:
+            break
+        feed = torch.tensor(chosen, dtype=torch.long, device=device).unsqueeze(-1)
+        mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=device)], dim=-1)
+        t_hidden = _forward(pair.target, feed, mask, next_pos.unsqueeze(-1), caches["t"])[:, -1]
+        if step_draft:
+            d_hidden = _forward(pair.draft, feed, mask, next_pos.unsqueeze(-1), caches["d"])[:, -1]
+        next_pos = next_pos + 1
+    stack = lambda xs: torch.stack(xs, dim=1) if xs else None  # noqa: E731
+    return Rollout(tokens, stack(t_steps), stack(d_steps), stack(h_steps))
+
+
+@torch.no_grad()
+def teacher_forced(model, items: list[Item], conts: list[list[int]], pair, want_hidden: bool):
+    """One batched pass over prefix + continuation: per row the (logits, hidden) that predict each continuation token."""
+    seqs = [it.prefix + c for it, c in zip(items, conts)]
+    ids, mask, pos = _left_pad(seqs, pair.tokenizer.pad_token_id, pair.device)
+    hidden = _forward(model, ids, mask, pos)
+    width = ids.shape[1]
+    out = []
+    for i, (it, c) in enumerate(zip(items, conts)):
+        start = width - len(seqs[i]) + len(it.prefix) - 1  # the position whose output predicts c[0]
+        h = hidden[i, start : start + len(c)]
+        out.append((_head(model, h, pair.vocab_size), h if want_hidden else None))
+    return out
+
+
+def position_stats(q_logits, p_logits, x, temperature: float, top_p: float, k: int) -> dict[str, np.ndarray]:
+    """Per-position statistics for drafted tokens x (L,) given draft and target logits (L, V)."""
+    q = draft_probs(q_logits, temperature, top_p)
+    p = draft_probs(p_logits, temperature, top_p)
+    idx = x.unsqueeze(-1)
+    return {
+        "draft_token": x.to(torch.int32),
+        "target_token": p.argmax(-1).to(torch.int32),
+        "q_draft": q.gather(-1, idx).squeeze(-1),
+        "p_draft": p.gather(-1, idx).squeeze(-1),
+        "tvd": 0.5 * (p - q).abs().sum(-1),
+        "draft_entropy": entropy(q),
+        "target_entropy": entropy(p),
+        "draft_topk": topk_probs(q, k),
+    }
+
+
+@torch.no_grad()
+def trace_batch(pair, items: list[Item], trace_cfg) -> list[dict[str, np.ndarray]]:
+    """Rows (as column arrays, one dict per item, in position order) for a batch of items of one trace kind."""
+    kind = str(trace_cfg.kind)
+    temperature, top_p = float(trace_cfg.get("temperature", 0.0)), float(trace_cfg.get("top_p", 1.0))
+    k = int(trace_cfg.get("topk", 10))
+    store_hidden = bool(trace_cfg.get("store_hidden", kind == "interleaved"))
+    seed = int(trace_cfg.get("seed", 0))
+    joint = kind == "interleaved"
+    roll = rollout(pair, items, trace_cfg, step_draft=joint)
+    if joint:
+        drafts = [(roll.draft_logits[i, : len(c)], roll.draft_hidden[i, : len(c)]) for i, c in enumerate(roll.tokens)]
+    else:
+        drafts = teacher_forced(pair.draft, items, roll.tokens, pair, want_hidden=store_hidden)
+    if str(trace_cfg.get("p_source", "generation")) == "teacher_forced":
+        targets = [lg for lg, _ in teacher_forced(pair.target, items, roll.tokens, pair, want_hidden=False)]
+    else:
+        targets = [roll.target_logits[i, : len(c)] for i, c in enumerate(roll.tokens)]
+    results = []
+    for i, it in enumerate(items):
+        n = len(roll.tokens[i])
+        q_logits, hidden = drafts[i]
+        # x ~ q always for interleaved (SPRINTER); target_ar drafts greedily at T=0, else samples
+        if joint or temperature > 0:
+            u = torch.rand(n, generator=prompt_generator(seed, it.prompt_id, "draft_token"))
+            x = sample_inverse_cdf(draft_probs(q_logits, temperature, top_p), u).to(q_logits.device)
+        else:
+            x = q_logits.argmax(-1)
+        stats = position_stats(q_logits, targets[i], x, temperature, top_p, k)
+        cols = {name: t.float().cpu().numpy() if t.is_floating_point() else t.cpu().numpy() for name, t in stats.items()}
+        cols["position"] = np.arange(n, dtype=np.int32)
+        if store_hidden:
+            cols["draft_hidden"] = hidden.float().cpu().numpy().astype(np.float16)
+        cols["prompt_id"], cols["split"], cols["kind"], cols["n"] = it.prompt_id, it.split, it.kind, n
+        cols["continuation"] = roll.tokens[i]
+        results.append(cols)
+    return results
