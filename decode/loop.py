@@ -1,0 +1,245 @@
+"""THE speculative loop (batch 1): draft with a stop policy, verify with the target, roll both KV caches back exactly.
+
+Both models keep a `DynamicCache`. Prefill feeds the prompt minus its last token; that token is then "pending" for
+both models, so every target call has the same shape: [pending token, x_1..x_K] → p at K+1 positions. After a
+verification that kept n of K drafted tokens, `DynamicCache.crop(-m)` removes exactly the m rejected positions
+from each cache (target: K − n; draft: K − 1 − n, since the draft never ran on its own last token).
+
+Greedy (temperature 0) and sampling (temperature, top-p) share the loop; exact verification is lossless, SPRINTER
+verification (`policy.approximate`) keeps verifier-accepted tokens unchecked. `autoregressive` is the target-only
+baseline with the same model calls, so speedups compare like with like.
+
+Speed: inference mode throughout; logits only for positions we read (the LM head is skipped during prefill and for
+all but the last drafted position); q's softmax only when the policy or the sampler needs it; one host read per
+drafted token (the token id, which the next draft step needs anyway) and one per verification.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from decode.verify import greedy_verify, sample_verify, sprinter_verify, tvd
+from models.features import DraftStep, draft_probs
+
+
+class LM:
+    """A causal LM called with a KV cache, returning logits (sliced to the pair vocab) and last hidden states.
+
+    Uses the base model + output embedding directly (hidden = the final-norm output that produces the logits, as
+    models.features defines it) so the LM head runs only on the positions asked for. Models that post-process
+    logits (softcapping, logit scales) go through the full forward instead.
+    """
+
+    def __init__(self, model, vocab_size: int):
+        self.model = model
+        self.vocab = vocab_size
+        cfg = model.config
+        self.plain = (
+            hasattr(model, "base_model")
+            and model.get_output_embeddings() is not None
+            and not getattr(cfg, "final_logit_softcapping", None)
+            and not getattr(cfg, "logit_scale", None)
+        )
+        self.base = model.base_model if self.plain else None
+        self.head = model.get_output_embeddings() if self.plain else None
+        self.device = next(model.parameters()).device
+
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.model.config)
+
+    def __call__(self, ids: list[int], cache: DynamicCache, last: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Run `ids` after the cache; logits (last, V) and hidden (last, d) of the final `last` positions (0 = none)."""
+        x = torch.tensor([ids], device=self.device)
+        if self.plain:
+            h = self.base(input_ids=x, past_key_values=cache, use_cache=True).last_hidden_state[0]
+            if last == 0:
+                return None, None
+            h = h[-last:]
+            return self.head(h)[..., : self.vocab], h
+        out = self.model(input_ids=x, past_key_values=cache, use_cache=True, output_hidden_states=True,
+                         logits_to_keep=max(last, 1))
+        if last == 0:
+            return None, None
+        return out.logits[0, -last:, : self.vocab], out.hidden_states[-1][0, -last:]
+
+
+@dataclass
+class GenResult:
+    """One prompt's generation and its counters (metrics.py turns these into the reported numbers)."""
+
+    tokens: list[int]
+    wall_s: float = 0.0
+    target_calls: int = 0
+    draft_calls: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    rounds: list[tuple[int, int]] = field(default_factory=list)  # (drafted, accepted) per verification
+    draft_s: float = 0.0  # time in draft forwards (incl. q and sampling)
+    target_s: float = 0.0  # time in target forwards (incl. verification)
+    policy_s: float = 0.0  # time in should_stop + observe
+    unchecked: int = 0  # SPRINTER: tokens kept without the target
+    tvd_sum: float = 0.0  # SPRINTER: Σ TVD(p, q) over unchecked tokens (the emitted law there is q, not p)
+
+
+class _Clock:
+    """perf_counter that synchronises CUDA first, so timed regions on GPU measure finished work."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def __call__(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+
+def _prefill(lm: LM, cache, prompt_ids: list[int]) -> None:
+    if len(prompt_ids) > 1:
+        lm(prompt_ids[:-1], cache, last=0)
+
+
+def _eos_cut(tokens: list[int], eos: set[int]) -> tuple[list[int], bool]:
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[: i + 1], True
+    return tokens, False
+
+
+@torch.inference_mode()
+def autoregressive(pair, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+                   eos: set[int] | None = None, generator: torch.Generator | None = None) -> GenResult:
+    """Target-only decoding with the same model calls as the speculative loop (the speedup baseline)."""
+    lm = LM(pair.target, pair.vocab_size)
+    clock = _Clock(lm.device)
+    eos = eos or set()
+    t0 = clock()
+    cache = lm.new_cache()
+    _prefill(lm, cache, prompt_ids)
+    t1 = clock()
+    out: list[int] = []
+    pending = prompt_ids[-1]
+    res = GenResult(tokens=out)
+    while len(out) < max_new_tokens:
+        logits, _ = lm([pending], cache, last=1)
+        res.target_calls += 1
+        if temperature and temperature > 0:
+            tok = int(torch.multinomial(draft_probs(logits[0], temperature, top_p), 1, generator=generator))
+        else:
+            tok = int(logits[0].argmax())
+        out.append(tok)
+        pending = tok
+        if tok in eos:
+            break
+    t2 = clock()
+    res.wall_s = t2 - t0
+    res.target_s = t2 - t1  # decode steps only: the per-step cost c is measured against
+    return res
+
+
+@torch.inference_mode()
+def speculative(pair, prompt_ids: list[int], policy, max_new_tokens: int, temperature: float = 0.0,
+                top_p: float = 1.0, eos: set[int] | None = None, generator: torch.Generator | None = None,
+                lookahead: list[int] | None = None) -> GenResult:
+    """Speculative decoding of one prompt with `policy` (decode.policies); see the module docstring."""
+    greedy = not (temperature and temperature > 0)
+    approx = bool(getattr(policy, "approximate", False))
+    want_q = (not greedy) or policy.needs_probs or approx
+    want_h = bool(policy.needs_hidden)
+    eos = eos or set()
+    draft, target = LM(pair.draft, pair.vocab_size), LM(pair.target, pair.vocab_size)
+    clock = _Clock(target.device)
+    now = time.perf_counter
+
+    t0 = clock()
+    policy.reset(lookahead=lookahead)
+    dcache, tcache = draft.new_cache(), target.new_cache()
+    _prefill(draft, dcache, prompt_ids)
+    _prefill(target, tcache, prompt_ids)
+    out: list[int] = []
+    res = GenResult(tokens=out)
+    d_pending = [prompt_ids[-1]]  # tokens the draft has not run on yet (1, or 2 after a fully accepted round)
+    t_pending = prompt_ids[-1]  # the token the target has not run on yet
+    draft_s = target_s = policy_s = 0.0
+    done = False
+    while not done and len(out) < max_new_tokens:
+        k_cap = min(policy.max_len, max_new_tokens - len(out) - 1)
+        drafted: list[int] = []
+        qs: list[torch.Tensor] = []
+        verifier_stop = False
+        inp = d_pending
+        base = len(out)
+        for j in range(k_cap):
+            ts = now()
+            logits, hidden = draft(inp, dcache, last=1)
+            z = logits[0]
+            if greedy:
+                q = draft_probs(z, 0.0) if want_q else None
+                tok = int(z.argmax())
+            else:
+                q = draft_probs(z, temperature, top_p)
+                tok = int(torch.multinomial(q, 1, generator=generator))
+            te = now()
+            draft_s += te - ts
+            res.draft_calls += 1
+            drafted.append(tok)
+            if want_q:
+                qs.append(q)
+            step = DraftStep(probs=q, token=tok, hidden=hidden[0] if want_h else None, position_in_round=j,
+                             position=base + j)
+            stop = policy.should_stop(step)
+            policy_s += now() - te
+            if stop:
+                verifier_stop = True
+                break
+            if tok in eos:
+                break
+            inp = [tok]
+        k = len(drafted)
+
+        ts = now()
+        logits, _ = target([t_pending] + drafted, tcache, last=k + 1)
+        res.target_calls += 1
+        if greedy and not approx:
+            n, nxt = greedy_verify(logits.argmax(-1), torch.tensor(drafted, dtype=torch.long))
+        else:
+            p = draft_probs(logits, temperature, top_p)
+            q_stack = torch.stack(qs) if k else p[:0]
+            dt = torch.tensor(drafted, dtype=torch.long, device=p.device)
+            if approx:
+                n, nxt = sprinter_verify(p, q_stack, dt, verifier_stop, greedy, generator)
+                unchecked = k - 1 if (verifier_stop and k) else k
+                if unchecked:
+                    res.unchecked += unchecked
+                    res.tvd_sum += float(tvd(p[:unchecked], q_stack[:unchecked]).sum())
+            else:
+                n, nxt = sample_verify(p, q_stack, dt, generator)
+        target_s += now() - ts
+
+        # exact rollback: keep the pending token + the n kept drafted tokens in each cache
+        if k - n > 0:
+            tcache.crop(-(k - n))
+        if k == 0:
+            d_pending = d_pending + [nxt]
+        elif n == k:
+            d_pending = [drafted[-1], nxt]
+        else:
+            if k - 1 - n > 0:
+                dcache.crop(-(k - 1 - n))
+            d_pending = [nxt]
+        t_pending = nxt
+
+        res.drafted += k
+        res.accepted += n
+        res.rounds.append((k, n))
+        ts = now()
+        policy.observe(k, n)
+        policy_s += now() - ts
+        new, done = _eos_cut(drafted[:n] + [nxt], eos)
+        out.extend(new)
+    res.wall_s = clock() - t0
+    res.draft_s, res.target_s, res.policy_s = draft_s, target_s, policy_s
+    return res

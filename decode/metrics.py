@@ -1,0 +1,161 @@
+"""THE decoding metrics (DESIGN.md "Metrics"): one definition, used by the runner, the tune mode and the bench.
+
+Aggregates are ratios of sums over prompts (a long prompt weighs by its tokens), except `speedup_std`, the spread
+of per-prompt speedups. Definitions:
+- tokens_per_s = Σ new tokens ÷ Σ wall seconds (prefill included, as in Spec-Bench);
+- speedup = tokens_per_s ÷ tokens_per_s of target-only decoding in the same process on the same prompts;
+- acceptance_rate = accepted ÷ drafted;  mean_accepted_length = new tokens ÷ target calls;
+- draft/target_calls_per_token = calls ÷ new tokens;
+- per_position_acceptance[j] = P(drafted token j of a round is accepted | tokens 0..j−1 were), over verified tokens;
+- draft_length_hist = rounds per draft length;
+- c = draft step time ÷ target step time (draft forwards timed in the loop, target step = target-only time per token);
+- cost_model_speedup = new tokens ÷ (target calls + c · draft calls): the speedup if a verification pass cost one
+  target step — machine-independent given c;
+- policy_overhead_frac = time in the policy (should_stop + observe, features included) ÷ time in draft steps;
+- lossless (greedy, exact policies) = every output equals the target-only output token for token.
+SPRINTER adds target_calls_saved_frac (vs target-only), agreement with target-only output, ROUGE-L and an estimate of
+the TVD of the emitted tokens from the target (TVD(p, q) on unchecked tokens, 0 on checked ones, per token).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+
+from decode.loop import GenResult
+
+
+def per_position(rounds: list[tuple[int, int]], limit: int = 64) -> tuple[list[int], list[int]]:
+    """(verified, accepted) counts by position in round; position j is verified when tokens 0..j−1 were accepted."""
+    verified, accepted = [0] * limit, [0] * limit
+    for k, n in rounds:
+        for j in range(min(k, n + 1, limit)):
+            verified[j] += 1
+            if j < n:
+                accepted[j] += 1
+    return verified, accepted
+
+
+def agreement(out: list[int], ref: list[int]) -> dict:
+    """Token agreement with the reference output: common prefix length and position-wise match fraction."""
+    prefix = 0
+    for a, b in zip(out, ref):
+        if a != b:
+            break
+        prefix += 1
+    same = sum(a == b for a, b in zip(out, ref))
+    return {"prefix_match": prefix, "token_agreement": same / max(len(ref), 1)}
+
+
+def rouge_l(candidate: str, reference: str) -> float:
+    from rouge_score import rouge_scorer
+
+    scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=False)
+    return float(scorer.score(reference, candidate)["rougeL"].fmeasure)
+
+
+def record(res: GenResult, ref: GenResult | None) -> dict:
+    """Per-prompt numbers (one JSONL row, text added by the runner)."""
+    n_tok = len(res.tokens)
+    row = {
+        "new_tokens": n_tok,
+        "wall_s": res.wall_s,
+        "tokens_per_s": n_tok / res.wall_s if res.wall_s > 0 else 0.0,
+        "target_calls": res.target_calls,
+        "draft_calls": res.draft_calls,
+        "drafted": res.drafted,
+        "accepted": res.accepted,
+        "draft_s": res.draft_s,
+        "target_s": res.target_s,
+        "policy_s": res.policy_s,
+        "rounds": [list(r) for r in res.rounds],
+        "unchecked": res.unchecked,
+        "tvd_sum": res.tvd_sum,
+    }
+    if ref is not None:
+        row["matches_target"] = res.tokens == ref.tokens
+        row.update(agreement(res.tokens, ref.tokens))
+        row["speedup"] = (n_tok / res.wall_s) / (len(ref.tokens) / ref.wall_s) if res.wall_s and ref.wall_s else 0.0
+    return row
+
+
+def measured_c(draft_s: float, draft_calls: int, target_s: float, target_calls: int) -> float:
+    """Cost ratio c = mean draft step time ÷ mean target step time."""
+    if not draft_calls or not target_calls or target_s <= 0:
+        return float("nan")
+    return (draft_s / draft_calls) / (target_s / target_calls)
+
+
+def summarize(rows: list[dict], target_rows: list[dict], c: float, greedy: bool, exact: bool) -> dict:
+    """One method's summary from its per-prompt rows and target-only rows on the same prompts."""
+    tokens = sum(r["new_tokens"] for r in rows)
+    wall = sum(r["wall_s"] for r in rows)
+    t_tokens = sum(r["new_tokens"] for r in target_rows)
+    t_wall = sum(r["wall_s"] for r in target_rows)
+    tps = tokens / wall if wall > 0 else 0.0
+    t_tps = t_tokens / t_wall if t_wall > 0 else 0.0
+    target_calls = sum(r["target_calls"] for r in rows)
+    draft_calls = sum(r["draft_calls"] for r in rows)
+    drafted = sum(r["drafted"] for r in rows)
+    accepted = sum(r["accepted"] for r in rows)
+    draft_s = sum(r["draft_s"] for r in rows)
+    policy_s = sum(r["policy_s"] for r in rows)
+    rounds = [tuple(x) for r in rows for x in r["rounds"]]
+    verified, acc_pos = per_position(rounds)
+    last = max((j for j, v in enumerate(verified) if v), default=-1)
+    speedups = [r.get("speedup", 0.0) for r in rows]
+    out = {
+        "tokens_per_s": tps,
+        "speedup": tps / t_tps if t_tps > 0 else float("nan"),
+        "speedup_std": float(np.std(speedups)) if speedups else 0.0,
+        "cost_model_speedup": tokens / (target_calls + c * draft_calls) if tokens and c == c else float("nan"),
+        "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "mean_accepted_length": tokens / target_calls if target_calls else 0.0,
+        "target_calls_per_token": target_calls / tokens if tokens else 0.0,
+        "draft_calls_per_token": draft_calls / tokens if tokens else 0.0,
+        "policy_overhead_frac": policy_s / draft_s if draft_s > 0 else 0.0,
+        "lossless": (all(r.get("matches_target", False) for r in rows) if exact else False) if greedy else None,
+        "mismatched_prompts": sum(not r.get("matches_target", True) for r in rows),
+        "per_position_acceptance": [acc_pos[j] / verified[j] if verified[j] else None for j in range(last + 1)],
+        "draft_length_hist": {str(k): v for k, v in sorted(Counter(k for k, _ in rounds).items())},
+        "mean_draft_length": drafted / len(rounds) if rounds else 0.0,
+        "draft_step_ms": 1000 * draft_s / draft_calls if draft_calls else None,
+        "policy_ms_per_draft_step": 1000 * policy_s / draft_calls if draft_calls else None,
+        "n_prompts": len(rows),
+        "new_tokens": tokens,
+        "wall_s": wall,
+    }
+    if not exact:
+        unchecked = sum(r["unchecked"] for r in rows)
+        out["target_calls_saved_frac"] = 1 - target_calls / t_tokens if t_tokens else 0.0
+        out["unchecked_frac"] = unchecked / tokens if tokens else 0.0
+        out["tvd_est"] = sum(r["tvd_sum"] for r in rows) / tokens if tokens else 0.0
+        out["token_agreement"] = float(np.mean([r.get("token_agreement", 0.0) for r in rows]))
+        out["prefix_match"] = float(np.mean([r.get("prefix_match", 0) for r in rows]))
+        for key in ("rouge_l_ref", "rouge_l_target"):
+            vals = [r[key] for r in rows if r.get(key) is not None]
+            out[key] = float(np.mean(vals)) if vals else None
+    return out
+
+
+def target_summary(target_rows: list[dict]) -> dict:
+    tokens = sum(r["new_tokens"] for r in target_rows)
+    wall = sum(r["wall_s"] for r in target_rows)
+    calls = sum(r["target_calls"] for r in target_rows)
+    return {
+        "tokens_per_s": tokens / wall if wall else 0.0,
+        "speedup": 1.0,
+        "speedup_std": 0.0,
+        "cost_model_speedup": 1.0,
+        "acceptance_rate": None,
+        "mean_accepted_length": tokens / calls if calls else 0.0,
+        "target_calls_per_token": calls / tokens if tokens else 0.0,
+        "draft_calls_per_token": 0.0,
+        "policy_overhead_frac": 0.0,
+        "lossless": True,
+        "target_step_ms": 1000 * wall / calls if calls else None,
+        "n_prompts": len(target_rows),
+        "new_tokens": tokens,
+        "wall_s": wall,
+    }

@@ -1,0 +1,339 @@
+"""Stop policies: after each drafted token, continue drafting or hand the round to the target?
+
+One interface, shaped like transformers' candidate generator (`update_candidate_strategy` after each verification):
+- `reset(**ctx)` once per prompt (the oracle receives its lookahead there);
+- `should_stop(step: DraftStep) -> bool` after each drafted token (the token is kept in the round either way);
+- `observe(drafted, accepted)` after each verification (the heuristic and AdaEDL adapt there).
+The loop itself enforces `max_len` (every policy has a cap), the token budget and EOS.
+
+Class attributes tell the loop what to compute: `needs_probs` (q as a distribution — greedy constant/heuristic/oracle
+skip the softmax), `needs_hidden` (the draft's last hidden state), `greedy_only`, `approximate` (SPRINTER
+verification instead of exact). Defaults and their sources are in conf/policy/<name>.yaml.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from models.features import DraftStep
+from utils.cli import UserError
+
+
+class StopPolicy:
+    name = "base"
+    needs_probs = True
+    needs_hidden = False
+    greedy_only = False
+    approximate = False
+    oracle = False
+
+    def __init__(self, max_len: int = 40):
+        if int(max_len) < 1:
+            raise UserError(f"policy.{self.name}.max_len must be ≥ 1, got {max_len}")
+        self.max_len = int(max_len)
+
+    def reset(self, **ctx) -> None:
+        """Per prompt. Adaptive state that should carry across prompts (AdaEDL's λ) is kept unless documented."""
+
+    def should_stop(self, step: DraftStep) -> bool:
+        return False
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """After each verification: `drafted` tokens were proposed in the round, `accepted` of them kept."""
+
+    def describe(self) -> dict:
+        return {"name": self.name, "max_len": self.max_len}
+
+
+class Constant(StopPolicy):
+    """Static speculation length K (the classic SD baseline, DISCO's SL-5): stop after K tokens."""
+
+    name = "constant"
+    needs_probs = False
+
+    def __init__(self, k: int = 5, max_len: int | None = None):
+        super().__init__(max_len or k)
+        if int(k) < 1:
+            raise UserError(f"policy.constant.k must be ≥ 1, got {k}")
+        self.k = int(k)
+
+    def should_stop(self, step):
+        return step.position_in_round + 1 >= self.k
+
+    def describe(self):
+        return {**super().describe(), "k": self.k}
+
+
+class Heuristic(StopPolicy):
+    """transformers' `heuristic` schedule: all drafted accepted → K + 2, else K − 1 (min 1), capped by max_len."""
+
+    name = "heuristic"
+    needs_probs = False
+
+    def __init__(self, k: int = 5, max_len: int = 40, per_prompt_reset: bool = True):
+        super().__init__(max_len)
+        self.k0 = int(k)
+        self.k = self.k0
+        self.per_prompt_reset = bool(per_prompt_reset)
+
+    def reset(self, **ctx):
+        if self.per_prompt_reset:
+            self.k = self.k0
+
+    def should_stop(self, step):
+        return step.position_in_round + 1 >= self.k
+
+    def observe(self, drafted, accepted):
+        if drafted == 0:
+            return
+        self.k = min(self.max_len, self.k + 2) if accepted == drafted else max(1, self.k - 1)
+
+    def describe(self):
+        return {**super().describe(), "k": self.k0}
+
+
+class Oracle(StopPolicy):
+    """Greedy upper bound: drafts exactly to the first mismatch with the target-only output of the same run.
+
+    The lookahead (`reset(lookahead=[...])`) is read, not computed, so the oracle's wall time holds no extra target
+    work. The mismatching token itself is drafted (it costs the draft step that reveals it) and then corrected.
+    """
+
+    name = "oracle"
+    needs_probs = False
+    greedy_only = True
+    oracle = True
+
+    def __init__(self, max_len: int = 40):
+        super().__init__(max_len)
+        self.lookahead: list[int] = []
+
+    def reset(self, lookahead=None, **ctx):
+        if lookahead is None:
+            raise UserError("the oracle policy needs the target-only output of the same prompt (run it via decode)")
+        self.lookahead = list(lookahead)
+
+    def should_stop(self, step):
+        pos = step.position
+        return pos >= len(self.lookahead) or step.token != self.lookahead[pos]
+
+
+class _ThresholdEMA:
+    """Draft & Verify / AdaEDL Algorithm 1: move λ toward a target acceptance rate α with two EMAs."""
+
+    def __init__(self, lam0, alpha, beta1, beta2, eps, max_len):
+        self.lam0, self.alpha, self.beta1, self.beta2, self.eps, self.max_len = lam0, alpha, beta1, beta2, eps, max_len
+        self.lam = lam0
+        self.ar = None
+
+    def reset(self):
+        self.lam, self.ar = self.lam0, None
+
+    def update(self, drafted, accepted):
+        if drafted == 0:
+            return
+        ar_i = accepted / drafted
+        self.ar = ar_i if self.ar is None else self.beta1 * self.ar + (1 - self.beta1) * ar_i
+        if self.ar < self.alpha:
+            target = self.lam + self.eps
+        elif accepted != self.max_len:
+            target = self.lam - self.eps
+        else:
+            target = self.lam
+        self.lam = self.beta2 * self.lam + (1 - self.beta2) * target
+
+
+class MaxConfidence(StopPolicy):
+    """Stop when max q < λ (AdaEDL's Max-Confidence-SPD; transformers' `assistant_confidence_threshold`, default 0.4).
+
+    `adapt`: `none` (fixed λ), `ema` (AdaEDL Algorithm 1, as in AdaEDL's comparison), or `roc` (transformers: after
+    each round refit λ on the history of (confidence, accepted) minimising FPR + 3·FNR, once both classes were seen).
+    """
+
+    name = "max_confidence"
+
+    def __init__(self, lam=0.4, adapt="none", max_len=40, alpha=0.9, beta1=0.5, beta2=0.9, eps=0.01):
+        super().__init__(max_len)
+        if adapt not in ("none", "ema", "roc"):
+            raise UserError(f"policy.max_confidence.adapt must be none, ema or roc, got '{adapt}'")
+        self.lam0, self.lam, self.adapt = float(lam), float(lam), adapt
+        self.ema = _ThresholdEMA(float(lam), alpha, beta1, beta2, eps, self.max_len)
+        self.history_conf: list[float] = []
+        self.history_acc: list[int] = []
+        self._round: list[float] = []
+
+    def reset(self, **ctx):
+        self._round = []
+
+    def should_stop(self, step):
+        conf = float(step.probs.max())
+        if self.adapt == "roc":
+            self._round.append(conf)
+        return conf < (self.ema.lam if self.adapt == "ema" else self.lam)
+
+    def observe(self, drafted, accepted):
+        if self.adapt == "ema":
+            self.ema.update(drafted, accepted)
+        elif self.adapt == "roc":
+            self.history_conf.extend(self._round[:drafted])
+            self.history_acc.extend([1] * accepted + [0] * (min(drafted, len(self._round)) - accepted))
+            self._round = []
+            if len(self.history_acc) > 5 and 0 < sum(self.history_acc) < len(self.history_acc):
+                from sklearn.metrics import roc_curve
+
+                fpr, tpr, thr = roc_curve(self.history_acc, self.history_conf)
+                best = int((fpr + 3 * (1 - tpr)).argmin())
+                self.lam = float(min(thr[best], 1.0))
+
+    def describe(self):
+        return {**super().describe(), "lam": self.lam0, "adapt": self.adapt}
+
+
+class SVIP(StopPolicy):
+    """SVIP: stop when √(c·H_q) > h — the entropy lower bound on acceptance falls below 1 − h (official c=0.15, h=0.3)."""
+
+    name = "svip"
+
+    def __init__(self, c: float = 0.15, h: float = 0.3, max_len: int = 40):
+        super().__init__(max_len)
+        self.c, self.h = float(c), float(h)
+        # √(c·H) > h  <=>  H > h²/c: one comparison per token, no sqrt
+        self.h_max = self.h * self.h / self.c if self.c > 0 else math.inf
+
+    def should_stop(self, step):
+        return float(step.entropy) > self.h_max
+
+    def describe(self):
+        return {**super().describe(), "c": self.c, "h": self.h}
+
+
+class AdaEDL(StopPolicy):
+    """AdaEDL: stop when 1 − √(γ·H_q) < λ, with λ adapted after each round by Algorithm 1 (γ=0.2, β1=0.5, β2=0.9,
+    ε=0.01, α=0.9). λ carries across prompts like the paper's running system; `per_prompt_reset` restarts it at λ0."""
+
+    name = "adaedl"
+
+    def __init__(self, gamma=0.2, lambda0=0.7, alpha=0.9, beta1=0.5, beta2=0.9, eps=0.01, max_len=40,
+                 per_prompt_reset=False):
+        super().__init__(max_len)
+        self.gamma = float(gamma)
+        self.ema = _ThresholdEMA(float(lambda0), alpha, beta1, beta2, eps, self.max_len)
+        self.per_prompt_reset = bool(per_prompt_reset)
+
+    def reset(self, **ctx):
+        if self.per_prompt_reset:
+            self.ema.reset()
+
+    def should_stop(self, step):
+        return 1.0 - math.sqrt(self.gamma * max(float(step.entropy), 0.0)) < self.ema.lam
+
+    def observe(self, drafted, accepted):
+        self.ema.update(drafted, accepted)
+
+    def describe(self):
+        return {**super().describe(), "gamma": self.gamma, "lambda0": self.ema.lam0, "alpha": self.ema.alpha}
+
+
+class Learned(StopPolicy):
+    """A trained head (models.heads): DISCO / SPRINTER-style heads stop when P(accept) < threshold; a SpecDec++ head
+    stops when 1 − Π P(accept) over the round > threshold. The threshold defaults to the one stored in the checkpoint."""
+
+    name = "learned"
+    needs_probs = True
+
+    def __init__(self, bundle, threshold: float | None = None, max_len: int = 40, name: str | None = None):
+        super().__init__(max_len)
+        self.bundle = bundle
+        self.kind = bundle.kind
+        self.threshold = float(bundle.threshold if threshold is None else threshold)
+        self.needs_hidden = bundle.spec.kind == "hidden"
+        self.needs_probs = bundle.spec.kind == "disco"
+        self.k = int(bundle.spec.k)
+        self._survive = 1.0
+        if name:
+            self.name = name
+        # the head is a few small matrices: run it without autograd bookkeeping on the draft's device
+        self.head = bundle.head
+
+    def reset(self, **ctx):
+        self._survive = 1.0
+
+    def _prob(self, step: DraftStep) -> float:
+        x = step.disco(self.k) if self.bundle.spec.kind == "disco" else step.hidden
+        return float(self.bundle.prob(x))
+
+    def should_stop(self, step):
+        if step.position_in_round == 0:
+            self._survive = 1.0
+        a = self._prob(step)
+        if self.kind == "specdecpp":
+            self._survive *= a
+            return 1.0 - self._survive > self.threshold
+        return a < self.threshold
+
+    def describe(self):
+        return {**super().describe(), "kind": self.kind, "threshold": self.threshold, "ckpt": self.bundle.path}
+
+
+class Sprinter(Learned):
+    """SPRINTER: the verifier head decides after each drafted token; a reject ends the round and only that token is
+    checked by the target (approximate verification, decode/verify.py). Inference threshold 0.5 (SPRINTER §A.5)."""
+
+    name = "sprinter"
+    approximate = True
+
+
+POLICIES = {
+    "constant": Constant,
+    "heuristic": Heuristic,
+    "oracle": Oracle,
+    "max_confidence": MaxConfidence,
+    "svip": SVIP,
+    "adaedl": AdaEDL,
+    "learned": Learned,
+    "sprinter": Sprinter,
+}
+KNOWN = ["target", *POLICIES]
+HEAD_POLICIES = ("learned", "sprinter")
+
+
+def parse_spec(spec: str) -> tuple[str, str | None]:
+    """`name` or `name:PATH` (learned/sprinter heads) → (name, path)."""
+    name, _, path = str(spec).partition(":")
+    name = name.strip()
+    if name not in KNOWN:
+        raise UserError(f"unknown policy '{name}'; known: {', '.join(KNOWN)} (heads as learned:PATH or sprinter:PATH)")
+    if path and name not in HEAD_POLICIES:
+        raise UserError(f"policy '{name}' takes no checkpoint; only learned:PATH and sprinter:PATH do")
+    return name, (path or None)
+
+
+def build_policy(spec: str, params: dict | None = None, pair=None, ckpt: str | None = None) -> StopPolicy:
+    """A policy from its spec (`svip`, `learned:PATH`) and its params (conf/policy/<name>.yaml + overrides)."""
+    name, path = parse_spec(spec)
+    if name == "target":
+        raise UserError("'target' is target-only decoding, not a stop policy")
+    params = {k: v for k, v in dict(params or {}).items() if k not in ("ckpt", "_name")}
+    cls = POLICIES[name]
+    if name in HEAD_POLICIES:
+        path = path or ckpt
+        if not path:
+            raise UserError(f"policy '{name}' needs a head: {name}:PATH_TO_CKPT, policy_ckpt=PATH or policy.{name}.ckpt=PATH")
+        from models.heads import load_head
+
+        bundle = load_head(Path(path))
+        if pair is not None:
+            bundle.check_pair(pair)
+        if name == "sprinter" and bundle.spec.kind != "hidden":
+            pass  # any head can act as a verifier; SPRINTER's own reads the hidden state
+        try:
+            return cls(bundle, **params)
+        except TypeError as err:
+            raise UserError(f"bad parameter for policy {name}: {err}") from None
+    try:
+        return cls(**params)
+    except TypeError as err:
+        raise UserError(f"bad parameter for policy {name}: {err}; see conf/policy/{name}.yaml") from None

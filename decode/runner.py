@@ -1,0 +1,361 @@
+"""The decoding benchmark: target-only once + every listed policy on the same prompts, in one process.
+
+Per prompt, target-only decoding runs first and then each policy (interleaved, so slow drift of a shared machine
+hits every method alike); a warm-up generation of every method precedes all timing. Writes into `out_dir`:
+`prompts.jsonl` (one row per method × prompt), `summary.json` ({method: metrics}), `summary.md` (the table),
+`run.json` (settings, device, measured c), `speedup.png` and `acceptance_by_position.png`.
+
+`mode=tune` chooses each policy's free parameter on `tune.split` (validation) by `tune.metric`, writes `tuned.json`,
+and then evaluates the chosen settings on `tune.eval_split` (test) — thresholds are never tuned on test.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from decode import metrics
+from decode.loop import autoregressive, speculative
+from decode.policies import HEAD_POLICIES, build_policy, parse_spec
+from utils.cli import UserError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Method:
+    key: str  # the name in summary.json
+    spec: str  # policy spec (`svip`, `learned:PATH`)
+    params: dict  # constructor parameters
+
+
+def eos_ids(pair) -> set[int]:
+    ids = {pair.tokenizer.eos_token_id}
+    gen = getattr(pair.target.generation_config, "eos_token_id", None)
+    ids.update(gen if isinstance(gen, (list, tuple)) else [gen])
+    return {int(i) for i in ids if i is not None}
+
+
+def check_settings(cfg: DictConfig) -> None:
+    """Everything the user can get wrong that needs no model: fail before loading anything."""
+    if int(cfg.max_new_tokens) <= 0:
+        raise UserError(f"max_new_tokens must be > 0, got {cfg.max_new_tokens}")
+    if float(cfg.temperature) < 0:
+        raise UserError(f"temperature must be ≥ 0 (0 = greedy), got {cfg.temperature}")
+    if not 0 < float(cfg.top_p) <= 1:
+        raise UserError(f"top_p must be in (0, 1], got {cfg.top_p}")
+    if float(cfg.temperature) == 0 and float(cfg.top_p) < 1:
+        raise UserError("top_p < 1 only applies when sampling; set temperature > 0 or top_p=1")
+    if not cfg.policies:
+        raise UserError("policies is empty; list some, e.g. policies=[constant,svip]")
+
+
+def methods_from_cfg(cfg: DictConfig) -> list[Method]:
+    """`policies` entries → methods with their params (conf/policy/<name>.yaml merged with `policy.<name>.*`)."""
+    specs = [str(s) for s in cfg.policies]
+    names = [parse_spec(s)[0] for s in specs]
+    out = []
+    for spec, name in zip(specs, names):
+        if name == "target":
+            continue  # target-only always runs
+        params = OmegaConf.to_container(cfg.policy[name], resolve=True) if name in cfg.get("policy", {}) else {}
+        path = parse_spec(spec)[1]
+        if name in HEAD_POLICIES:
+            path = path or params.get("ckpt") or cfg.get("policy_ckpt")
+            spec = f"{name}:{path}" if path else name
+        key = name if names.count(name) == 1 else f"{name}:{Path(path).stem}" if path else spec
+        out.append(Method(key, spec, params))
+    keys = [m.key for m in out]
+    if len(set(keys)) != len(keys):
+        raise UserError(f"policies lists a method twice: {keys}")
+    if float(cfg.temperature) > 0:
+        bad = [m.key for m in out if parse_spec(m.spec)[0] == "oracle"]
+        if bad:
+            raise UserError("the oracle policy is greedy-only (its lookahead is the target's greedy output); "
+                            "use temperature=0 or drop oracle from policies")
+    return out
+
+
+def tokenize_prompts(pair, prompts, max_new_tokens: int) -> list[list[int]]:
+    """Rendered, tokenized prompts; refuses one that does not fit the models' context with its new tokens."""
+    from data_gen.prompts import render
+
+    ctx = min(
+        int(getattr(m.config, "max_position_embeddings", 1 << 30) or (1 << 30)) for m in (pair.target, pair.draft)
+    )
+    out = []
+    for p in prompts:
+        ids = pair.tokenizer(render(p, pair.tokenizer, pair.chat_template),
+                             add_special_tokens=not pair.chat_template)["input_ids"]
+        if not ids:
+            raise UserError(f"prompt {p.prompt_id} is empty after tokenization")
+        if len(ids) + max_new_tokens > ctx:
+            raise UserError(
+                f"prompt {p.prompt_id} has {len(ids)} tokens + max_new_tokens={max_new_tokens} > context {ctx}; "
+                "lower max_new_tokens or use shorter prompts"
+            )
+        out.append(ids)
+    return out
+
+
+def _gen(seed: int):
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return g
+
+
+def run_split(cfg: DictConfig, pair, split: str, methods: list[Method], desc: str = "") -> tuple[dict, list[dict]]:
+    """Run target-only + methods on one split; returns (summary, per-prompt rows). No files written here."""
+    from data_gen.prompts import load_prompts
+
+    limit = cfg.get("limit")
+    prompts = load_prompts(cfg.dataset, split, None if limit is None else int(limit))
+    max_new, temp, top_p, seed = int(cfg.max_new_tokens), float(cfg.temperature), float(cfg.top_p), int(cfg.seed)
+    greedy = temp == 0
+    ids = tokenize_prompts(pair, prompts, max_new)
+    eos = eos_ids(pair)
+
+    def fresh():  # adaptive state (heuristic K, AdaEDL λ) must not carry the warm-up into the run
+        return {m.key: build_policy(m.spec, m.params, pair=pair) for m in methods}
+
+    policies = fresh()
+    if cfg.get("warmup", True):  # first calls allocate caches and pick kernels: keep them out of the timings
+        warm_new = min(8, max_new)
+        ref = autoregressive(pair, ids[0], warm_new, temp, top_p, eos, _gen(seed))
+        for pol in policies.values():
+            speculative(pair, ids[0], pol, warm_new, temp, top_p, eos, _gen(seed), lookahead=ref.tokens)
+        policies = fresh()
+
+    rows: list[dict] = []
+    bar = tqdm(total=len(prompts) * (1 + len(methods)), desc=desc or f"decode {split}", unit="gen")
+    for i, (prompt, prompt_ids) in enumerate(zip(prompts, ids)):
+        ref = autoregressive(pair, prompt_ids, max_new, temp, top_p, eos, _gen(seed * 100003 + i))
+        bar.update()
+        ref_text = pair.tokenizer.decode(ref.tokens, skip_special_tokens=True)
+        rows.append({"method": "target", "prompt_id": prompt.prompt_id, **metrics.record(ref, None),
+                     "tokens": ref.tokens, "text": ref_text})
+        for m in methods:
+            pol = policies[m.key]
+            res = speculative(pair, prompt_ids, pol, max_new, temp, top_p, eos, _gen(seed * 100003 + i),
+                              lookahead=ref.tokens if greedy else None)
+            bar.update()
+            row = {"method": m.key, "prompt_id": prompt.prompt_id, **metrics.record(res, ref), "tokens": res.tokens}
+            row["text"] = pair.tokenizer.decode(res.tokens, skip_special_tokens=True)
+            if pol.approximate:
+                row["rouge_l_target"] = metrics.rouge_l(row["text"], ref_text)
+                row["rouge_l_ref"] = metrics.rouge_l(row["text"], prompt.reference) if prompt.reference else None
+            rows.append(row)
+    bar.close()
+
+    target_rows = [r for r in rows if r["method"] == "target"]
+    draft_s = sum(r["draft_s"] for r in rows if r["method"] != "target")
+    draft_calls = sum(r["draft_calls"] for r in rows if r["method"] != "target")
+    c = metrics.measured_c(draft_s, draft_calls, sum(r["target_s"] for r in target_rows),
+                           sum(r["target_calls"] for r in target_rows))
+    summary = {"target": metrics.target_summary(target_rows)}
+    for m in methods:
+        pol = policies[m.key]
+        s = metrics.summarize([r for r in rows if r["method"] == m.key], target_rows, c, greedy, not pol.approximate)
+        s.update(oracle=pol.oracle, approximate=pol.approximate, params=pol.describe(), measured_c=c)
+        summary[m.key] = s
+    summary["target"]["measured_c"] = c
+    return summary, rows
+
+
+# ---------------------------------------------------------------------------------------------------------- output
+
+
+def _fmt(v, digits=3):
+    if v is None:
+        return "–"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        return f"{v:.{digits}f}" if v == v else "nan"
+    return str(v)
+
+
+def markdown_table(summary: dict, title: str = "") -> str:
+    cols = [("tok/s", "tokens_per_s", 1), ("speedup", "speedup", 2), ("±", "speedup_std", 2),
+            ("cost-model", "cost_model_speedup", 2), ("accept", "acceptance_rate", 3),
+            ("mean acc len", "mean_accepted_length", 2), ("target calls/tok", "target_calls_per_token", 3),
+            ("draft calls/tok", "draft_calls_per_token", 3), ("mean K", "mean_draft_length", 2),
+            ("policy overhead", "policy_overhead_frac", 4), ("lossless", "lossless", 0)]
+    lines = [f"### {title}" if title else "", "",
+             "| method | " + " | ".join(c[0] for c in cols) + " |",
+             "|---|" + "---|" * len(cols)]
+    for key, s in summary.items():
+        name = key + (" (oracle)" if s.get("oracle") else "") + (" (approx.)" if s.get("approximate") else "")
+        lines.append(f"| {name} | " + " | ".join(_fmt(s.get(c[1]), c[2]) for c in cols) + " |")
+    approx = {k: s for k, s in summary.items() if s.get("approximate")}
+    if approx:
+        lines += ["", "| approximate method | target calls saved | unchecked tokens | TVD est. | token agreement | "
+                  "ROUGE-L vs ref | ROUGE-L vs target |", "|---|---|---|---|---|---|---|"]
+        for k, s in approx.items():
+            lines.append(f"| {k} | " + " | ".join(_fmt(s.get(x)) for x in (
+                "target_calls_saved_frac", "unchecked_frac", "tvd_est", "token_agreement", "rouge_l_ref",
+                "rouge_l_target")) + " |")
+    c = next(iter(summary.values())).get("measured_c")
+    lines += ["", f"Measured c (draft step ÷ target step) = {_fmt(c)}; batch size 1; oracle rows read the target-only "
+              "output (an upper bound, not a method)."]
+    return "\n".join(lines) + "\n"
+
+
+def plots(summary: dict, rows: list[dict], out_dir: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    keys = [k for k in summary if k != "target"]
+    if not keys:
+        return
+    fig, ax = plt.subplots(figsize=(1.2 * len(keys) + 2, 3.5))
+    per_prompt = [[r.get("speedup", 0.0) for r in rows if r["method"] == k] for k in keys]
+    means = [summary[k]["speedup"] for k in keys]
+    stds = [float(np.std(v)) if v else 0.0 for v in per_prompt]
+    ax.bar(range(len(keys)), means, yerr=stds, capsize=4, color=["#999" if summary[k].get("oracle") else "#4477aa"
+                                                                     for k in keys])
+    ax.axhline(1.0, color="k", lw=0.8, ls="--")
+    ax.set_xticks(range(len(keys)), keys, rotation=30, ha="right")
+    ax.set_ylabel("speedup vs target-only (± std over prompts)")
+    fig.tight_layout()
+    fig.savefig(out_dir / "speedup.png", dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for k in keys:
+        acc = summary[k].get("per_position_acceptance") or []
+        xs = [j for j, a in enumerate(acc) if a is not None]
+        ax.plot(xs, [acc[j] for j in xs], marker="o", ms=3, label=k)
+    ax.set_xlabel("position in draft round")
+    ax.set_ylabel("P(accept | previous accepted)")
+    ax.set_ylim(0, 1.02)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_dir / "acceptance_by_position.png", dpi=120)
+    plt.close(fig)
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        fh.write(text)
+    os.replace(tmp, path)
+
+
+def write_outputs(out_dir: Path, summary: dict, rows: list[dict], run_info: dict, title: str, make_plots: bool,
+                  prefix: str = "") -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _atomic_write(out_dir / f"{prefix}prompts.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    _atomic_write(out_dir / f"{prefix}run.json", json.dumps(run_info, indent=2))
+    _atomic_write(out_dir / f"{prefix}summary.md", markdown_table(summary, title))
+    if make_plots:
+        plots(summary, rows, out_dir)
+    _atomic_write(out_dir / f"{prefix}summary.json", json.dumps(summary, indent=2))  # last: its presence = done
+
+
+def run_info(cfg: DictConfig, pair, split: str, summary: dict) -> dict:
+    return {
+        "pair": pair.pair_id, "dataset": str(cfg.dataset.name), "split": split, "limit": cfg.get("limit"),
+        "max_new_tokens": int(cfg.max_new_tokens), "temperature": float(cfg.temperature), "top_p": float(cfg.top_p),
+        "seed": int(cfg.seed), "device": str(pair.device), "dtype": str(pair.dtype), "batch_size": 1,
+        "torch_threads": torch.get_num_threads(), "measured_c": summary["target"].get("measured_c"),
+        "policies": [str(p) for p in cfg.policies],
+    }
+
+
+# ------------------------------------------------------------------------------------------------------------ tune
+
+
+def tune_grid(cfg: DictConfig, methods: list[Method]) -> list[Method]:
+    """Every grid point of `tune.grid.<policy>` for the listed policies (others run once with their params)."""
+    grid = OmegaConf.to_container(cfg.tune.grid, resolve=True) or {}
+    out = []
+    for m in methods:
+        name = parse_spec(m.spec)[0]
+        space = grid.get(name) or {}
+        if not space:
+            out.append(m)
+            continue
+        keys = list(space)
+        for values in itertools.product(*(space[k] for k in keys)):
+            point = dict(zip(keys, values))
+            label = ",".join(f"{k}={v}" for k, v in point.items())
+            out.append(Method(f"{m.key}[{label}]", m.spec, {**m.params, **point}))
+    return out
+
+
+def choose(summary: dict, methods: list[Method], grid_methods: list[Method], metric: str) -> list[Method]:
+    """Per original method, the grid point with the best `metric` on the tuning split."""
+    chosen = []
+    for m in methods:
+        cands = [g for g in grid_methods if g.key == m.key or g.key.startswith(m.key + "[")]
+        best = max(cands, key=lambda g: summary[g.key].get(metric) or float("-inf"))
+        chosen.append(Method(m.key, m.spec, best.params))
+    return chosen
+
+
+def main(cfg: DictConfig) -> dict:
+    check_settings(cfg)
+    methods = methods_from_cfg(cfg)
+    mode = str(cfg.get("mode", "run"))
+    if mode not in ("run", "tune"):
+        raise UserError(f"mode must be run or tune, got '{mode}'")
+    threads = cfg.get("threads")
+    if threads:
+        torch.set_num_threads(int(threads))
+    torch.manual_seed(int(cfg.seed))
+    from models.pair import load_pair
+
+    pair = load_pair(cfg.pair)
+    for m in methods:  # a bad checkpoint or parameter fails before any decoding
+        build_policy(m.spec, m.params, pair=pair)
+    out_dir = Path(cfg.out_dir) if cfg.get("out_dir") else _hydra_dir()
+    make_plots = bool(cfg.get("plots", True))
+    if mode == "run":
+        summary, rows = run_split(cfg, pair, str(cfg.split), methods)
+        title = f"{pair.pair_id} · {cfg.dataset.name}/{cfg.split} · T={cfg.temperature} · {cfg.max_new_tokens} new tokens"
+        write_outputs(out_dir, summary, rows, run_info(cfg, pair, str(cfg.split), summary), title, make_plots)
+        print(markdown_table(summary, title))
+        print(f"wrote {out_dir}/summary.json")
+        return summary
+    grid = tune_grid(cfg, methods)
+    metric = str(cfg.tune.metric)
+    tsum, trows = run_split(cfg, pair, str(cfg.tune.split), grid, desc=f"tune on {cfg.tune.split}")
+    chosen = choose(tsum, methods, grid, metric)
+    tuned = {m.key: m.params for m in chosen}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_outputs(out_dir, tsum, trows, run_info(cfg, pair, str(cfg.tune.split), tsum),
+                  f"tuning on {cfg.tune.split} (metric {metric})", False, prefix="tune_")
+    _atomic_write(out_dir / "tuned.json", json.dumps({"metric": metric, "split": str(cfg.tune.split),
+                                                       "chosen": tuned}, indent=2))
+    print(markdown_table(tsum, f"tuning on {cfg.tune.split}"))
+    print("chosen:", json.dumps(tuned))
+    if not cfg.tune.get("eval_split"):
+        return tsum
+    summary, rows = run_split(cfg, pair, str(cfg.tune.eval_split), chosen, desc=f"eval on {cfg.tune.eval_split}")
+    title = f"{pair.pair_id} · {cfg.dataset.name}/{cfg.tune.eval_split} · tuned on {cfg.tune.split}"
+    write_outputs(out_dir, summary, rows, run_info(cfg, pair, str(cfg.tune.eval_split), summary), title, make_plots)
+    print(markdown_table(summary, title))
+    print(f"wrote {out_dir}/summary.json")
+    return summary
+
+
+def _hydra_dir() -> Path:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return Path(HydraConfig.get().runtime.output_dir)
+    except Exception:  # noqa: BLE001 - called outside Hydra
+        return Path("logs/decode/latest")
