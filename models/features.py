@@ -121,7 +121,8 @@ def _np(x):
 
     if hasattr(x, "detach"):
         return x.detach().cpu().numpy()
-    return np.asarray(x)
+    arr = np.asarray(x)
+    return arr if arr.flags.writeable or arr.dtype == object else arr.copy()
 
 
 def continuation_starts(columns: dict):

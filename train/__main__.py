@@ -1,0 +1,358 @@
+"""`python -m train +experiment=NAME`: traces (generated first if missing) → stop head → test metrics, curves, results.
+
+One job top to bottom: load or generate the traces for train/validation/test (data_gen; the pair is loaded once and
+only if something must be generated), build features and labels (TraceDataModule), fit the head with early
+stopping on `val/auroc`, keep the best checkpoint (it carries the threshold chosen on validation and everything
+decode needs), reload it with `models.heads.load_head`, test it, and write:
+
+- `results.json` (test/auroc, test/ap, test/f1, test/f1_static_best, threshold, ckpt_path, ...),
+- `checkpoints/best.ckpt` with `roc.png` and `pr.png` beside it (and to W&B as plots when W&B is on),
+- `csv/` (always) and `wandb/` (offline by default; `wandb sync <run dir>/wandb/offline-run-*` uploads later).
+
+The run directory is printed on the last line of stdout. The function returns the monitored metric (best
+`val/auroc`, or `optimized_metric`), which is what an Optuna sweep (`hparams_search=...`) maximises.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import warnings
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from utils.cli import UserError, hydra_entry
+
+log = logging.getLogger("train")
+SPLITS = ("train", "validation", "test")
+
+
+def quiet_lightning() -> None:
+    """Keep stdout readable: Lightning's banner/tips off, known-harmless warnings filtered (errors still show)."""
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    for pattern in (".*LeafSpec.*", ".*smaller than the logging interval.*", ".*does not have many workers.*",
+                    ".*anonymous setting.*"):
+        warnings.filterwarnings("ignore", message=pattern)
+
+
+# --------------------------------------------------------------------------------------------------------- traces
+
+
+def split_cfg(cfg: DictConfig, split: str) -> DictConfig:
+    """The config data_gen sees for one split: `split_limits.<split>` (when set) replaces `limit`."""
+    limit = (cfg.get("split_limits") or {}).get(split)
+    if limit is None:
+        return cfg
+    out = cfg.copy()
+    with open_dict(out):
+        out.limit = int(limit)
+    return out
+
+
+def load_traces(cfg: DictConfig) -> tuple[dict, dict]:
+    """({split: Dataset}, {split: manifest}) for train/validation/test, generating what is missing with data_gen.
+
+    A complete folder made with the same settings is reused without loading the models; otherwise the pair is
+    loaded once (for all splits) and `data_gen.run.generate` makes or resumes the traces, with its progress bar.
+    """
+    from data_gen import store
+    from data_gen.run import generate
+
+    explicit = cfg.get("trace_dirs") or {}
+    pair = None
+    traces, manifests = {}, {}
+    for split in SPLITS:
+        if explicit.get(split):
+            traces[split], manifests[split] = store.load_traces(Path(str(explicit[split])))
+            continue
+        scfg = split_cfg(cfg, split)
+        folder = store.trace_folder(scfg, split)
+        try:
+            found = store.read_manifest(folder)
+        except UserError:
+            found = None  # corrupt manifest: generate() decides (resume, or one line saying what to do)
+        reusable = bool(found and found.get("complete") and found.get("config_hash") == store.config_hash(scfg))
+        if not reusable and pair is None:
+            from models.pair import load_pair
+
+            print(f"traces for {split} missing or incomplete at {folder}: generating them (pair {cfg.pair.name})", flush=True)
+            pair = load_pair(cfg.pair)
+        traces[split], manifests[split] = store.load_traces(generate(scfg, split, pair))
+    return traces, manifests
+
+
+def check_manifests(cfg: DictConfig, manifests: dict) -> dict:
+    """Refuse traces from another pair (or mixed pairs); return the train manifest."""
+    want = str(cfg.pair.name)
+    for split, man in manifests.items():
+        got = str(man.get("pair_id"))
+        if got != want:
+            raise UserError(
+                f"the {split} traces were made with pair {got} but this run's config says pair={want}; "
+                f"use pair={got} or regenerate the traces for {want}"
+            )
+    hashes = {str(m.get("tokenizer_hash")) for m in manifests.values()}
+    if len(hashes) > 1:
+        raise UserError(f"trace splits disagree on the tokenizer ({sorted(hashes)}); regenerate them with one pair")
+    return manifests["train"]
+
+
+def feature_spec(cfg: DictConfig, manifest: dict):
+    from models.features import FeatureSpec
+    from models.heads import KIND_FEATURES
+
+    kind = str(cfg.model.kind)
+    if kind not in KIND_FEATURES:
+        raise UserError(f"unknown model.kind '{kind}'; known: {', '.join(KIND_FEATURES)}")
+    if KIND_FEATURES[kind] == "disco":
+        k = int(cfg.model.get("k", 10))
+        have = int(manifest.get("topk", k))
+        if have < k:
+            raise UserError(f"DISCO head needs top-{k} probabilities but the traces stored top-{have}; set model.k<={have}")
+        return FeatureSpec("disco", k=k)
+    d = int(manifest.get("hidden_size", 0) or 0)
+    if d <= 0:
+        raise UserError(
+            f"head kind '{kind}' reads draft hidden states but these traces have none; "
+            "regenerate with trace.store_hidden=true (the experiment configs set it)"
+        )
+    return FeatureSpec("hidden", k=int(manifest.get("topk", 10)), d=d)
+
+
+# -------------------------------------------------------------------------------------------------------- logging
+
+
+def make_loggers(cfg: DictConfig, run_dir: Path) -> list:
+    """CSV always; W&B (offline by default, under the run dir) unless `logger=none`. W&B trouble never stops a run."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    loggers = [CSVLogger(save_dir=str(run_dir), name="csv", version="")]
+    wcfg = (cfg.get("logger") or {}).get("wandb")
+    if not wcfg:
+        return loggers
+    try:
+        from lightning.pytorch.loggers import WandbLogger
+
+        mode = str(wcfg.get("mode", "offline"))
+        os.environ["WANDB_MODE"] = mode
+        os.environ.setdefault("WANDB_SILENT", "true")
+        os.environ.setdefault("WANDB_DIR", str(run_dir))
+        group, name = sweep_names(cfg, run_dir)
+        wandb_logger = WandbLogger(
+            project=str(wcfg.get("project", "specstop")),
+            entity=wcfg.get("entity"),
+            group=group,
+            name=name,
+            tags=list(wcfg.get("tags") or []),
+            save_dir=str(run_dir),
+            offline=mode == "offline",
+            config=OmegaConf.to_container(cfg, resolve=True),
+        )
+        wandb_logger.experiment  # start the run now so a failure is caught here  # noqa: B018
+        loggers.append(wandb_logger)
+    except Exception as err:  # noqa: BLE001 - any W&B failure degrades to CSV only
+        warnings.warn(f"W&B disabled for this run ({type(err).__name__}: {err}); CSV logs still written", stacklevel=1)
+    return loggers
+
+
+def sweep_names(cfg: DictConfig, run_dir: Path) -> tuple[str | None, str]:
+    """W&B group = the multirun folder (one group per sweep), name = job number + overrides; plain runs: no group."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        hc = HydraConfig.get()
+        if hc.mode == RunMode.MULTIRUN:
+            overrides = ",".join(hc.overrides.task) or "default"
+            return f"{cfg.task_name}-{Path(hc.sweep.dir).name}", f"{hc.job.num}:{overrides}"[:120]
+    except Exception:  # noqa: BLE001 - not under Hydra (tests call run() directly)
+        pass
+    return None, run_dir.name
+
+
+def finish_wandb() -> None:
+    """Close the W&B run so every multirun job gets its own run (called in `finally`)."""
+    try:
+        import wandb
+
+        if wandb.run is not None:
+            wandb.finish()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+# ---------------------------------------------------------------------------------------------------------- plots
+
+
+def save_curves(points: dict, out_dir: Path, title: str) -> dict[str, Path]:
+    """ROC and PR curves as PNG files in `out_dir` (beside the checkpoint)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = {}
+    labels = {"roc": ("false positive rate", "true positive rate"), "pr": ("recall", "precision")}
+    for name, (xs, ys) in points.items():
+        fig, ax = plt.subplots(figsize=(4.5, 4))
+        ax.plot(xs, ys)
+        if name == "roc":
+            ax.plot([0, 1], [0, 1], ls="--", c="grey", lw=0.8)
+        ax.set_xlabel(labels[name][0])
+        ax.set_ylabel(labels[name][1])
+        ax.set_title(f"{name.upper()}: {title}", fontsize=9)
+        fig.tight_layout()
+        paths[name] = out_dir / f"{name}.png"
+        fig.savefig(paths[name], dpi=110)
+        plt.close(fig)
+    return paths
+
+
+def log_curves_wandb(loggers: list, points: dict, pngs: dict) -> None:
+    """ROC/PR as W&B line plots (tables) plus the PNGs, on the run's W&B logger if any."""
+    for lg in loggers:
+        if type(lg).__name__ != "WandbLogger":
+            continue
+        try:
+            import wandb
+
+            axes = {"roc": ("fpr", "tpr"), "pr": ("recall", "precision")}
+            payload = {}
+            for name, (xs, ys) in points.items():
+                table = wandb.Table(data=[[a, b] for a, b in zip(xs, ys)], columns=list(axes[name]))
+                payload[f"test/{name}_curve"] = wandb.plot.line(table, *axes[name], title=f"test {name.upper()}")
+                payload[f"test/{name}_png"] = wandb.Image(str(pngs[name]))
+            lg.experiment.log(payload)
+        except Exception as err:  # noqa: BLE001
+            warnings.warn(f"could not log curves to W&B ({err})", stacklevel=1)
+
+
+# ------------------------------------------------------------------------------------------------------------ run
+
+
+def run(cfg: DictConfig, run_dir: Path, traces: dict | None = None, manifests: dict | None = None) -> dict:
+    """Train, test and report one head; returns the results dict (also written to run_dir/results.json)."""
+    import lightning as L
+    import torch
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+
+    from data_gen.labels import required_columns
+    from eval.metrics import classification_metrics, roc_pr_points, static_length_f1
+    from models.heads import load_head
+    from train.datamodule import TraceDataModule
+    from train.module import StopHeadModule
+
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    quiet_lightning()
+    required_columns(cfg.labels)  # unknown label scheme → one line before any work
+    L.seed_everything(int(cfg.seed), workers=True, verbose=False)
+    if traces is None:
+        traces, manifests = load_traces(cfg)
+    manifest = check_manifests(cfg, manifests)
+    spec = feature_spec(cfg, manifest)
+    data = cfg.data
+    dm = TraceDataModule(
+        traces, cfg.labels, spec, batch_size=data.batch_size, num_workers=data.num_workers,
+        imbalance=data.imbalance, normalize=data.normalize, seed=int(cfg.seed),
+    )
+    dm.setup("fit")
+    labels_dict = OmegaConf.to_container(cfg.labels, resolve=True)
+    module = StopHeadModule(
+        kind=str(cfg.model.kind), spec=spec.to_dict(), arch=OmegaConf.to_container(cfg.model.arch, resolve=True),
+        labels=labels_dict, lr=float(cfg.model.lr), weight_decay=float(cfg.model.weight_decay),
+        pos_weight=float(dm.pos_weight), threshold_mode=str(cfg.threshold_mode), threshold=float(cfg.threshold),
+        pair_id=str(manifest.get("pair_id")), tokenizer_hash=str(manifest.get("tokenizer_hash")),
+        mean=dm.mean.tolist(), std=dm.std.tolist(),
+    )
+    ckpt_dir = run_dir / "checkpoints"
+    loggers = make_loggers(cfg, run_dir)
+    try:
+        checkpoint = ModelCheckpoint(dirpath=str(ckpt_dir), filename="best", monitor=cfg.monitor, mode="max",
+                                     save_top_k=1, save_last=False, auto_insert_metric_name=False)
+        stopper = EarlyStopping(monitor=cfg.monitor, mode="max", patience=int(cfg.early_stopping.patience),
+                                min_delta=float(cfg.early_stopping.min_delta))
+        trainer = L.Trainer(**OmegaConf.to_container(cfg.trainer, resolve=True), default_root_dir=str(run_dir),
+                            logger=loggers, callbacks=[checkpoint, stopper])
+        trainer.fit(module, datamodule=dm)
+        ckpt_path = checkpoint.best_model_path
+        if not ckpt_path:  # fast_dev_run or no validation: keep the last state
+            ckpt_path = str(ckpt_dir / "last.ckpt")
+            trainer.save_checkpoint(ckpt_path)
+        trainer.test(module, datamodule=dm, ckpt_path=ckpt_path, verbose=False)
+
+        bundle = load_head(ckpt_path)
+        test = dm.data["test"]
+        scores = bundle.prob(test["x"]).numpy()
+        metrics = classification_metrics(scores, test["y"].numpy(), bundle.threshold)
+        static = static_length_f1(test["y"].numpy(), test["pos"].numpy())
+        best = checkpoint.best_model_score
+        results = {
+            "test/auroc": metrics["auroc"],
+            "test/ap": metrics["ap"],
+            "test/f1": metrics["f1"],
+            "test/precision": metrics["precision"],
+            "test/recall": metrics["recall"],
+            "test/f1_static_best": static["f1_static_best"],
+            "test/k_static_best": static["k_best"],
+            "test/positive_rate": float((test["y"] >= 0.5).float().mean()),
+            "test/rows": len(scores),
+            "val/auroc": float(best) if best is not None else math.nan,
+            "threshold": bundle.threshold,
+            "threshold_mode": str(cfg.threshold_mode),
+            "ckpt_path": str(Path(ckpt_path).resolve()),
+            "kind": bundle.kind,
+            "labels": labels_dict,
+            "pair_id": bundle.pair_id,
+            "dataset": str(cfg.dataset.name),
+            "train_rows": len(dm.data["train"]["y"]),
+            "epochs": int(trainer.current_epoch),
+        }
+        points = roc_pr_points(scores, test["y"].numpy())
+        pngs = save_curves(points, Path(ckpt_path).parent, f"{cfg.get('experiment_name', bundle.kind)} ({bundle.kind})")
+        results.update({f"{k}_png": str(v) for k, v in pngs.items()})
+        for lg in loggers:
+            lg.log_metrics({k: v for k, v in results.items() if k.startswith("test/") and isinstance(v, (int, float))})
+        log_curves_wandb(loggers, points, pngs)
+        (run_dir / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    finally:
+        finish_wandb()
+    print_table(results)
+    return results
+
+
+def print_table(results: dict) -> None:
+    r = results
+    lab = r["labels"]
+    scheme = lab.get("name") + (f" tau={lab['tau']}" if "tau" in lab else "")
+    print(f"\n{r['kind']} head on {r['dataset']} ({scheme}), test split: {r['test/rows']} drafted positions, "
+          f"{100 * r['test/positive_rate']:.1f}% accepted")
+    rows = [
+        ("AUROC", r["test/auroc"]),
+        ("average precision", r["test/ap"]),
+        (f"F1 @ threshold {r['threshold']:.3f} ({r['threshold_mode']} on validation)", r["test/f1"]),
+        (f"F1 best static length (K={r['test/k_static_best']})", r["test/f1_static_best"]),
+    ]
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"  {name:<{width}}  {value:.4f}")
+    print(f"  checkpoint: {r['ckpt_path']}")
+
+
+@hydra_entry("train")
+def main(cfg: DictConfig) -> float:
+    from hydra.core.hydra_config import HydraConfig
+
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    results = run(cfg, run_dir)
+    print(run_dir, flush=True)
+    value = results.get(str(cfg.optimized_metric), math.nan)
+    return float(value)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""Traces → (features, labels) tensors for a stop head, split by prompt, normalised on train.
+
+Labels come from `data_gen.labels.make_labels` (so a τ sweep reuses the same traces) and features from
+`models.features.features_from_columns` (the vectors decode builds per drafted token). The trace splits are the
+dataset's prompt splits; `setup` asserts no prompt_id sits in two of them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import lightning as L
+import numpy as np
+import torch
+from omegaconf import DictConfig
+from torch.utils.data import DataLoader, TensorDataset, WeightedRandomSampler
+
+from data_gen.labels import is_soft, make_labels, required_columns
+from models.features import FeatureSpec, features_from_columns, trace_round_positions
+from utils.cli import UserError
+
+log = logging.getLogger(__name__)
+
+SPLITS = ("train", "validation", "test")
+FEATURE_COLUMNS = {
+    "disco": ("draft_topk", "draft_entropy", "draft_token", "target_token", "position", "prompt_id", "kind"),
+    "hidden": ("draft_hidden",),
+}
+ROUND_COLUMNS = ("draft_token", "target_token", "position", "prompt_id", "kind")
+
+
+def trace_columns(ds, names) -> dict[str, np.ndarray]:
+    """Columns of a `datasets.Dataset` (or a dict) as numpy arrays; list columns become (N, k) arrays."""
+    import pyarrow as pa
+
+    if isinstance(ds, dict):
+        return {n: np.asarray(ds[n]) for n in names if n in ds}
+    if getattr(ds, "_indices", None) is not None:  # a selected/shuffled view: materialise it once
+        ds = ds.flatten_indices()
+    table = ds.data.table if hasattr(ds.data, "table") else ds.data
+    out = {}
+    for name in names:
+        if name not in ds.column_names:
+            continue
+        col = table.column(name).combine_chunks()
+        t = col.type
+        if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+            flat = col.flatten().to_numpy(zero_copy_only=False)
+            out[name] = flat.reshape(len(col), -1) if len(col) else flat.reshape(0, 0)
+        else:
+            out[name] = col.to_numpy(zero_copy_only=False)
+    return out
+
+
+class TraceDataModule(L.LightningDataModule):
+    """Feature/label tensors per split from loaded traces (`{split: datasets.Dataset}`).
+
+    imbalance: `pos_weight` (BCE weight n_neg/n_pos on positives, from train), `sampler` (class-balanced sampling
+    of train rows) or `none`. Normalisation (mean/std of the train features) is exposed as `mean`/`std` for the head.
+    """
+
+    def __init__(
+        self,
+        traces: dict,
+        labels_cfg: DictConfig,
+        spec: FeatureSpec,
+        batch_size: int = 512,
+        num_workers: int = 0,
+        imbalance: str = "pos_weight",
+        normalize: bool = True,
+        seed: int = 0,
+    ):
+        super().__init__()
+        if imbalance not in ("pos_weight", "sampler", "none"):
+            raise UserError(f"data.imbalance='{imbalance}' is not one of: pos_weight, sampler, none")
+        self.traces = traces
+        self.labels_cfg = labels_cfg
+        self.spec = spec
+        self.batch_size = int(batch_size)
+        self.num_workers = int(num_workers)
+        self.imbalance = imbalance
+        self.normalize = normalize
+        self.seed = int(seed)
+        self.data: dict[str, dict] = {}
+        self.mean = torch.zeros(spec.dim)
+        self.std = torch.ones(spec.dim)
+        self.pos_weight = 1.0
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.data:
+            return
+        missing = [s for s in SPLITS if s not in self.traces]
+        if missing:
+            raise UserError(f"no traces for split(s) {missing}; train needs train, validation and test")
+        feature_cols = FEATURE_COLUMNS[self.spec.kind]
+        needed = tuple(required_columns(self.labels_cfg)) + feature_cols + ROUND_COLUMNS
+        prompts = {}
+        for split in SPLITS:
+            ds = self.traces[split]
+            if len(ds) == 0:
+                raise UserError(f"the {split} split has no trace rows; raise limit= or check dataset= and its splits")
+            names = ds.column_names if hasattr(ds, "column_names") else list(ds)
+            lack = [c for c in feature_cols if c not in names]
+            if lack:
+                hint = " (regenerate with trace.store_hidden=true)" if "draft_hidden" in lack else ""
+                raise UserError(f"{self.spec.kind} features need trace column(s) {lack} missing from the {split} traces{hint}")
+            cols = trace_columns(ds, [c for c in dict.fromkeys(needed) if c in names])
+            labels = make_labels(cols, self.labels_cfg)
+            x = features_from_columns(cols, self.spec)
+            pos = torch.as_tensor(trace_round_positions(cols), dtype=torch.long)
+            self.data[split] = {"x": x, "y": torch.as_tensor(labels, dtype=torch.float32), "pos": pos}
+            prompts[split] = set(np.asarray(cols["prompt_id"]).tolist())
+        for i, a in enumerate(SPLITS):
+            for b in SPLITS[i + 1 :]:
+                both = prompts[a] & prompts[b]
+                if both:
+                    raise UserError(
+                        f"prompt(s) {sorted(both)[:3]} appear in both the {a} and {b} traces; splits must be by prompt"
+                    )
+        x = self.data["train"]["x"]
+        if self.normalize:
+            self.mean, self.std = x.mean(0), x.std(0) if len(x) > 1 else torch.ones(x.shape[1])
+        y = self.data["train"]["y"]
+        pos, n = float(y.sum()), float(len(y))
+        self.pos_weight = (n - pos) / pos if pos > 0 and self.imbalance == "pos_weight" else 1.0
+        for split in SPLITS:
+            yy = self.data[split]["y"]
+            log.info("%s: %d rows, %.1f%% positive (labels >= 0.5)", split, len(yy), 100 * float((yy >= 0.5).float().mean()))
+
+    def _loader(self, split: str, train: bool = False) -> DataLoader:
+        d = self.data[split]
+        ds = TensorDataset(d["x"], d["y"])
+        gen = torch.Generator().manual_seed(self.seed)
+        sampler = None
+        if train and self.imbalance == "sampler":
+            hard = (d["y"] >= 0.5).long()
+            counts = torch.bincount(hard, minlength=2).clamp_min(1).float()
+            sampler = WeightedRandomSampler((1.0 / counts)[hard], num_samples=len(hard), replacement=True, generator=gen)
+        return DataLoader(
+            ds,
+            batch_size=self.batch_size,
+            shuffle=train and sampler is None,
+            sampler=sampler,
+            generator=gen if train and sampler is None else None,
+            num_workers=self.num_workers,
+            pin_memory=torch.cuda.is_available(),
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def train_dataloader(self):
+        return self._loader("train", train=True)
+
+    def val_dataloader(self):
+        return self._loader("validation")
+
+    def test_dataloader(self):
+        return self._loader("test")
+
+    @property
+    def soft_labels(self) -> bool:
+        return is_soft(self.labels_cfg)
