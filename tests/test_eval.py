@@ -1,0 +1,156 @@
+"""python -m eval on tiny-pair traces: the report's numbers agree with an independent computation, the default traces
+come from the checkpoint's training config, several checkpoints make one table, bad input gives one error line."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+from sklearn.metrics import roc_auc_score
+
+from tests.conftest import REPO
+from utils.cli import UserError
+
+TRAIN_OVERRIDES = {
+    "disco": ["+experiment=smoke", "trace.max_new_tokens=16"],
+    "sprinter": ["+experiment=smoke", "trace=interleaved", "labels=ratio", "labels.tau=1.2", "model=sprinter",
+                 "trace.max_new_tokens=16"],
+}
+
+
+def compose_cfg(name: str, overrides: list[str]):
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return compose(name, overrides)
+
+
+def fake_training_run(root, kind: str, pair, seed: int = 0, pair_id: str | None = None, d: int | None = None):
+    """Traces for the test split + a head checkpoint in <run>/checkpoints/best.ckpt + <run>/.hydra/config.yaml, as
+    `python -m train` leaves them (random head weights: eval only needs a head, not a good one)."""
+    from data_gen.run import generate
+    from data_gen.store import load_traces
+    from models.features import FeatureSpec
+    from models.heads import CKPT_KEY, HeadBundle, build_head
+    from train.__main__ import split_cfg
+
+    cfg = compose_cfg("train", [f"trace_root={root / 'traces'}", "batch_size=4", *TRAIN_OVERRIDES[kind]])
+    _, manifest = load_traces(generate(split_cfg(cfg, "test"), "test", pair))
+    spec = FeatureSpec("disco", k=10) if kind == "disco" else FeatureSpec("hidden", d=d or int(manifest["hidden_size"]))
+    torch.manual_seed(seed)
+    head = build_head(kind, spec)
+    labels = OmegaConf.to_container(cfg.labels, resolve=True)
+    bundle = HeadBundle(head, kind, spec, labels, 0.5, pair_id or manifest["pair_id"], manifest["tokenizer_hash"])
+    run = root / f"run_{kind}_{seed}"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / ".hydra").mkdir()
+    OmegaConf.save(cfg, run / ".hydra" / "config.yaml")
+    ckpt = run / "checkpoints" / "best.ckpt"
+    torch.save({"state_dict": {f"head.{k}": v for k, v in head.state_dict().items()}, CKPT_KEY: bundle.meta()}, ckpt)
+    return ckpt
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_pair):
+    root = tmp_path_factory.mktemp("evalruns")
+    return {
+        "root": root,
+        "disco": fake_training_run(root, "disco", tiny_pair),
+        "sprinter": fake_training_run(root, "sprinter", tiny_pair),
+    }
+
+
+def eval_cfg(*overrides):
+    return compose_cfg("eval", list(overrides))
+
+
+def independent_auroc(ckpt, root):
+    """AUROC recomputed from the trace files with sklearn, without eval's code path."""
+    from data_gen.labels import make_labels
+    from data_gen.store import load_traces
+    from models.features import features_from_columns
+    from models.heads import load_head
+    from train.datamodule import trace_columns
+
+    bundle = load_head(ckpt)
+    folder = next((root / "traces").glob("*target_ar*--test*"))
+    ds, _ = load_traces(folder)
+    cols = trace_columns(ds, ds.column_names)
+    y = make_labels(cols, OmegaConf.create(bundle.labels))
+    s = bundle.prob(features_from_columns(cols, bundle.spec)).numpy()
+    return roc_auc_score(y >= 0.5, s), len(y)
+
+
+def test_disco_report_numbers_and_plots(runs, tmp_path):
+    from eval.__main__ import run
+
+    out = tmp_path / "out"
+    report = run(eval_cfg(f"ckpt={runs['disco']}", f"out_dir={out}"))
+    saved = json.loads((out / "report.json").read_text())
+    for key in ("auroc", "ap", "f1", "threshold", "ece", "per_position_auroc", "f1_static_best", "precision", "recall",
+                "confusion", "best_f1_threshold", "best_f1"):
+        assert key in saved, key
+    auroc, rows = independent_auroc(runs["disco"], runs["root"])
+    assert saved["rows"] == rows
+    assert saved["auroc"] == pytest.approx(auroc, abs=1e-9)
+    c = saved["confusion"]
+    assert c["tp"] + c["fp"] + c["tn"] + c["fn"] == rows
+    assert saved["best_f1"] >= saved["f1"] - 1e-12  # the best-F1 threshold is at least as good on the same rows
+    assert 0 <= saved["ece"] <= 1 and "0" in saved["per_position_auroc"]
+    assert "target_ar" in saved["traces"]  # found through the run's .hydra/config.yaml
+    for png in ("roc", "pr", "reliability", "per_position_auroc"):
+        assert (out / f"{png}.png").stat().st_size > 1000
+    assert "sprinter_theory" not in report
+
+
+def test_sprinter_theory_and_comparison_via_cli(runs, tmp_path, cli):
+    out = tmp_path / "cmp"
+    proc = cli("eval", f"ckpt=[{runs['disco']},{runs['sprinter']}]", f"out_dir={out}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((out / "report.json").read_text())
+    assert len(report["checkpoints"]) == 2 and len(report["comparison"]["auroc"]) == 2
+    spr = report["checkpoints"][1]
+    assert "interleaved" in spr["traces"] and spr["labels"]["tau"] == 1.2
+    t = spr["sprinter_theory"]
+    # Theorem 1 prediction is ε · mean TVD, and x ~ q on interleaved traces gives the exact per-step estimate too
+    assert t["tvd_sprinter_pred"] == pytest.approx(t["fpr"] * t["tvd_pq_mean"])
+    assert t["draft_tokens_sampled_from_q"] and 0 <= t["tvd_sprinter_from_samples"] <= t["tvd_pq_from_samples"] + 1e-9
+    assert "SPRINTER theory" in proc.stdout and "| sprinter:" in proc.stdout and "| disco:" in proc.stdout
+    assert (out / "roc.png").is_file()
+
+
+def test_calibration_by_hand():
+    from eval.__main__ import calibration
+
+    # every score 0.8, half the labels positive: one bin, |0.8 − 0.5| = 0.3
+    cal = calibration(np.full(10, 0.8), np.r_[np.ones(5), np.zeros(5)])
+    assert cal["ece"] == pytest.approx(0.3, abs=1e-6)
+    assert cal["reliability"]["observed"] == [pytest.approx(0.5)]
+
+
+def test_bad_inputs_are_one_line(runs, tmp_path, tiny_pair, cli):
+    from eval.__main__ import run
+
+    not_ckpt = tmp_path / "notes.txt"
+    not_ckpt.write_text("hello")
+    proc = cli("eval", f"ckpt={not_ckpt}", f"out_dir={tmp_path / 'x'}")
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and "checkpoint" in lines[0]
+    assert not (tmp_path / "x").exists()
+    cases = {
+        "missing split": (eval_cfg(f"ckpt={runs['disco']}", "split=validation"), "validation"),
+        "other pair": (eval_cfg(f"ckpt={fake_training_run(tmp_path, 'disco', tiny_pair, 1, pair_id='smollm2_135m')}"),
+                       "pair"),
+        "other spec": (eval_cfg(f"ckpt={fake_training_run(tmp_path, 'sprinter', tiny_pair, 2, d=32)}"), "hidden"),
+        "disco on traces without hidden is fine, sprinter on target_ar is not": (
+            eval_cfg(f"ckpt={runs['sprinter']}", f"traces={next((runs['root'] / 'traces').glob('*target_ar*--test*'))}"),
+            "hidden"),
+        "no ckpt": (eval_cfg(), "ckpt="),
+    }
+    for name, (cfg, needle) in cases.items():
+        with pytest.raises(UserError, match=needle):
+            run(OmegaConf.merge(cfg, {"out_dir": str(tmp_path / name.replace(" ", "_"))}))
+        assert not (tmp_path / name.replace(" ", "_")).exists(), name
