@@ -1,0 +1,69 @@
+"""conf/: every train experiment composes (with `+experiment=`, as users type it) into a consistent run config."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from data_gen.labels import required_columns
+from models.heads import KIND_FEATURES
+from utils.cli import CONF_DIR, known_names
+
+EXPECTED = {"disco_mbpp", "disco_specbench", "sprinter_wikitext2", "sprinter_mbpp", "specdecpp_mbpp", "smoke"}
+
+
+def compose_train(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose("train", overrides=list(overrides), return_hydra_config=True)
+
+
+def test_experiment_not_in_defaults():
+    text = (CONF_DIR / "train.yaml").read_text()
+    assert "experiment:" not in text.split("_self_")[0]  # users add it with +experiment=
+    assert EXPECTED <= set(known_names("experiment"))
+
+
+@pytest.mark.parametrize("name", known_names("experiment"))
+def test_every_experiment_composes(name):
+    cfg = compose_train(f"+experiment={name}")
+    assert cfg.experiment_name == name
+    required_columns(cfg.labels)
+    feat = KIND_FEATURES[cfg.model.kind]
+    if feat == "hidden":  # hidden-state heads need traces that store the draft hidden state
+        assert cfg.trace.store_hidden, name
+    assert cfg.trace.kind in ("target_ar", "interleaved")
+    assert cfg.trace_root and cfg.monitor == "val/auroc"
+    limits = [cfg.split_limits[s] for s in ("train", "validation", "test")]
+    assert all(v is None or v > 0 for v in limits)
+    # output folders follow one scheme for runs and multiruns
+    assert cfg.hydra.run.dir.startswith(cfg.log_dir) and cfg.hydra.sweep.dir.startswith(cfg.log_dir)
+
+
+def test_paper_settings():
+    assert compose_train("+experiment=sprinter_wikitext2").labels.tau == 1.2
+    assert compose_train("+experiment=sprinter_wikitext2").trace.kind == "interleaved"
+    spp = compose_train("+experiment=specdecpp_mbpp")
+    assert (spp.trace.kind, spp.labels.name, spp.model.kind) == ("target_ar", "accept_prob", "specdecpp")
+    assert compose_train("+experiment=smoke").pair.name == "tiny_random"
+    assert compose_train("+experiment=disco_mbpp").model.k == 10
+
+
+def test_logger_none_and_trainer_groups():
+    assert compose_train("logger=none").logger.wandb is None
+    assert compose_train().logger.wandb.mode == "offline"
+    assert compose_train("trainer=fast_dev_run").trainer.fast_dev_run is True
+
+
+def _has_optuna_sweeper() -> bool:
+    try:
+        return importlib.util.find_spec("hydra_plugins.hydra_optuna_sweeper") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not _has_optuna_sweeper(), reason="optional extra `optuna` not installed")
+def test_optuna_search_composes():
+    cfg = compose_train("+experiment=disco_mbpp", "hparams_search=disco_optuna")
+    assert cfg.optimized_metric == "val/auroc" and cfg.hydra.sweeper.direction == "maximize"
