@@ -10,7 +10,7 @@ ECE (torchmetrics BinaryCalibrationError, 15 equal-width bins) with a reliabilit
 calibration_curve), AUROC per bucket of position in the draft round and in the continuation, and the best static
 speculation length's F1 (DISCO App. D). For a SPRINTER head also the Theorem 1/2 predictions from its measured
 FPR/TPR (eval.theory). Writes report.json, report.md and PNGs (roc, pr, reliability, per_position_auroc) to out_dir
-(default: the Hydra run dir logs/eval/runs/<time>) and, with logger=wandb, the same to an offline W&B run
+(default: the Hydra run dir logs/eval/runs/<time>; also per_continuation_position_auroc.png) and, with logger=wandb, the same to an offline W&B run
 (default logger=none). Labels are the checkpoint's own scheme, binarised at 0.5.
 """
 
@@ -339,6 +339,7 @@ def log_wandb(cfg: DictConfig, report: dict, reports: list[dict], names: list[st
             for n, r in zip(names, reports):
                 payload.update({f"eval/{n}/{k}": r[k] for k in keys if isinstance(r[k], (int, float))})
             run.log(payload)
+            print(f"W&B ({wcfg.get('mode', 'offline')}) run: {run.dir}")
         finally:
             run.finish()
     except Exception as err:  # noqa: BLE001 - W&B trouble never loses the report

@@ -13,6 +13,8 @@ Writes `trace_stats.json`, `trace_stats.md` and PNGs into out_dir (default: the 
 - SVIP Fig. 4: actual acceptance 1 − TVD vs the Pinsker bound 1 − √(½ KL(q‖p)), KL = H_{q,p} − H_q, vs the entropy
   estimate 1 − √(c·H_q) (c = `svip_c`; with H_{q,p} available also c fitted as median((H_{q,p}/H_q − 1)/2), since
   ½KL ≈ ½(r − 1)H_q for a constant ratio r).
+- Item 4: the speedup per constant γ predicted from α measured here and a cost ratio c (`cost_ratio`), by Leviathan's
+  improvement factor and by the eq. 12–13 latency model of "How speculative can SD be?" (eval.theory).
 - DISCO App. A: oracle speculation length = accepted tokens per round, rounds cut at each mismatch under `labels`
   (greedy_match = DISCO's zero-temperature oracle): mean, std, histogram. The last round of a continuation ends with
   the continuation, not with a mismatch (censored); it is counted, and the number of such rounds is reported.
@@ -176,6 +178,22 @@ def trace_statistics(ds, labels_cfg: DictConfig | None = None, svip_c: float = 0
     return {"stats": out, "raw": raw}
 
 
+def speedup_prediction(stats: dict, temperature: float, c: float, max_gamma: int = 10) -> dict:
+    """Item 4 on these traces: α measured here (greedy match rate at T = 0, else mean 1 − TVD), c given (decode
+    measures it), predicted speedup per constant γ from both models in eval.theory, and Leviathan's best γ."""
+    from eval import theory
+
+    b = stats["entropy_binned"]
+    if not b.get("count"):
+        return {}
+    w = np.asarray(b["count"], dtype=float)
+    key = "greedy match" if temperature == 0 else "1-TVD"
+    alpha = float(np.dot(w, b[key]) / w.sum())
+    g, f = theory.best_gamma(alpha, c)
+    return {"alpha": alpha, "alpha_from": key, "c": c, "best_gamma": g, "best_speedup": f,
+            "per_gamma": theory.speedup_curve(alpha, c, range(1, max_gamma + 1))}
+
+
 def write_plots(result: dict, out_dir: Path, max_points: int = 3000) -> list[Path]:
     """PNG files for `trace_statistics` output."""
     s, raw = result["stats"], result["raw"]
@@ -222,6 +240,13 @@ def markdown(stats: dict, source: str) -> str:
     xr = stats["xent_ratio"]
     lines.append("H_(q,p)/H_q: " + (json.dumps(xr["quantiles"]) if "quantiles" in xr else xr["note"]))
     lines.append("acceptance bounds: " + json.dumps({k: round(v, 4) for k, v in stats["acceptance_bounds"].items()}))
+    sp = stats.get("speedup_prediction")
+    if sp:
+        lines += ["", f"predicted speedup, α = {sp['alpha']:.3f} ({sp['alpha_from']}), c = {sp['c']:g}: best γ = "
+                  f"{sp['best_gamma']} ({sp['best_speedup']:.2f}x, Leviathan)", "",
+                  "| γ | E[tokens/round] | Leviathan | latency model eq. 12-13 |", "|---|---|---|---|"]
+        lines += [f"| {r['gamma']} | {r['tokens_per_round']:.2f} | {r['leviathan']:.3f} | {r['latency_model']:.3f} |"
+                  for r in sp["per_gamma"]]
     if stats["missing_columns"]:
         lines.append(f"missing columns (add to data_gen for the full report): {stats['missing_columns']}")
     return "\n".join(lines) + "\n"
@@ -269,9 +294,13 @@ def run(cfg: DictConfig) -> dict:
     stats["traces"] = str(folder)
     stats["pair_id"] = manifest.get("pair_id")
     stats["temperature"] = manifest.get("temperature")
+    stats["speedup_prediction"] = speedup_prediction(stats, float(manifest.get("temperature") or 0.0), float(cfg.cost_ratio))
     out = output_dir(cfg)
     out.mkdir(parents=True, exist_ok=True)
     written = write_plots(result, out)
+    if stats["speedup_prediction"]:
+        written.append(plots.speedup_prediction(stats["speedup_prediction"]["per_gamma"], out / "speedup_prediction.png",
+                                                title=f"α={stats['speedup_prediction']['alpha']:.2f}, c={cfg.cost_ratio}"))
     (out / "trace_stats.json").write_text(json.dumps(_jsonable(stats), indent=2))
     (out / "trace_stats.md").write_text(markdown(stats, str(folder)))
     print(markdown(stats, str(folder)))

@@ -78,3 +78,31 @@ def test_missing_cross_entropy_is_named():
     assert s["acceptance_bounds"]["entropy_estimate_mean"] == pytest.approx(
         float(np.mean(1 - np.sqrt(0.15 * np.asarray(fake_traces(False)["draft_entropy"])))), rel=1e-5)
     json.dumps(s)  # the report is JSON-serialisable
+
+
+def test_run_on_generated_tiny_traces(tmp_path, tiny_pair):
+    from hydra import compose, initialize_config_dir
+
+    from data_gen.run import generate
+    from eval.traces import run
+    from tests.conftest import REPO
+    from utils.cli import UserError
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        gen_cfg = compose("data_gen", ["pair=tiny_random", "dataset=mbpp", f"trace_root={tmp_path / 't'}", "limit=4",
+                                       "progress=false", "trace.max_new_tokens=12"])
+        folder = generate(gen_cfg, "test", tiny_pair)
+        cfg = compose("eval_traces", [f"traces={folder}", f"out_dir={tmp_path / 'out'}"])
+        missing = compose("eval_traces", [f"traces={tmp_path / 'nope'}", f"out_dir={tmp_path / 'out2'}"])
+    stats = run(cfg)
+    saved = json.loads((tmp_path / "out" / "trace_stats.json").read_text())
+    assert saved["rows"] == stats["rows"] > 0 and saved["pair_id"] == "tiny_random"
+    o = saved["oracle_sl"]
+    # every row belongs to exactly one oracle round: accepted rows + one closing mismatch per complete round
+    assert sum(int(k) * v for k, v in o["histogram"].items()) + o["rounds"] - o["censored_rounds"] == saved["rows"]
+    sp = saved["speedup_prediction"]
+    assert sp["alpha_from"] == "greedy match" and sp["best_gamma"] >= 1 and len(sp["per_gamma"]) == 10
+    assert (tmp_path / "out" / "speedup_prediction.png").is_file()
+    with pytest.raises(UserError, match="does not exist"):
+        run(missing)
+    assert not (tmp_path / "out2").exists()
