@@ -21,10 +21,10 @@ from tqdm import tqdm
 
 from data_gen import store
 from data_gen.prompts import load_prompts, render
-from data_gen.traces import KINDS_INTERLEAVED, Item, trace_batch
 from utils.cli import UserError
 
 TRACE_KINDS = ("target_ar", "interleaved")
+KINDS_INTERLEAVED = ("prompt", "draft", "target", "mixed")
 OVERFLOW = ("truncate", "skip", "error")
 
 
@@ -70,6 +70,8 @@ def prepare_items(cfg: DictConfig, pair, prompts, s: dict) -> tuple[list[Item], 
         if fit < 1:
             raise UserError(f"trace.max_new_tokens={max_new} leaves no room for a prompt in the model context of {context}")
         budget = fit if budget is None else min(budget, fit)
+    from data_gen.traces import Item  # torch-heavy imports only once the cheap checks have passed
+
     tok = pair.tokenizer
     special = not pair.chat_template
     items, long_ids, empty = [], [], 0
@@ -143,8 +145,13 @@ def generate(cfg: DictConfig, split: str, pair=None) -> Path:
             "rerun with overwrite=true to replace them, or pick another trace_root"
         )
     if manifest is not None and manifest.get("config_hash") == chash and manifest.get("complete"):
-        print(f"reusing complete {_summary_line(folder, manifest)}", flush=True)
-        return folder
+        try:  # quick check (sizes, no re-hash); anything off falls through to the resume path's full check
+            intact = not store.missing_shards(manifest, store.existing_shards(folder, full=False))
+        except UserError:
+            intact = False
+        if intact:
+            print(f"reusing complete {_summary_line(folder, manifest)}", flush=True)
+            return folder
     store.check_writable(folder.parent)
     if pair is None:
         from models.pair import load_pair
@@ -152,6 +159,8 @@ def generate(cfg: DictConfig, split: str, pair=None) -> Path:
         pair = load_pair(cfg.pair)
     if str(pair.name) != str(cfg.pair.name):
         raise UserError(f"generate() got pair {pair.name} but cfg.pair is {cfg.pair.name}; pass the matching pair")
+    from data_gen.traces import trace_batch
+
     items, note = prepare_items(cfg, pair, prompts, s)
     if note:
         print(f"note: {note}", flush=True)

@@ -27,7 +27,6 @@ import torch
 
 from models.features import draft_probs, entropy, topk_probs
 
-KINDS_INTERLEAVED = ("prompt", "draft", "target", "mixed")
 
 
 @dataclass
