@@ -1,0 +1,103 @@
+"""train.distill on the tiny pair: the job runs, the student file round-trips, shared weights stay shared and frozen."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from safetensors import safe_open
+
+from models.pair import STUDENT_META, layer_subset, load_pair, load_student
+from train.distill import collate, leviathan_speedup, make_student, save_student, topk_kl
+
+
+def test_student_shares_frozen_embeddings_and_head(tiny_pair):
+    target = tiny_pair.target
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    student = make_student(target, [0, 2], own_norm=True)
+    assert student.get_input_embeddings() is target.get_input_embeddings()
+    assert student.lm_head is target.lm_head
+    assert not student.lm_head.weight.requires_grad and not student.get_input_embeddings().weight.requires_grad
+    trainable = {n for n, p in student.named_parameters() if p.requires_grad}
+    assert trainable and all(n.startswith(("model.layers.", "model.norm.")) for n in trainable)
+    # a step on the student never moves the target
+    opt = torch.optim.SGD([p for p in student.parameters() if p.requires_grad], lr=1.0)
+    ids = torch.tensor([tiny_pair.tokenizer.encode("def f(x): return x")])
+    student(ids).logits.float().logsumexp(-1).sum().backward()
+    opt.step()
+    for k, v in target.state_dict().items():
+        torch.testing.assert_close(v, before[k])
+
+
+def test_student_file_roundtrip_identical_logits(tiny_pair, tmp_path):
+    student = make_student(tiny_pair.target, [1, 3], own_norm=True)
+    with torch.no_grad():
+        for p in student.parameters():
+            if p.requires_grad:
+                p.add_(0.01 * torch.randn_like(p))
+    path = save_student(student, tmp_path / "s.safetensors",
+                        {"layers": [1, 3], "own_modules": ["norm"], "target": "tiny_random"}, torch.float32)
+    with safe_open(str(path), "pt") as fh:
+        keys = list(fh.keys())
+        assert json.loads(fh.metadata()[STUDENT_META])["layers"] == [1, 3]
+    assert all(k.startswith(("model.layers.", "model.norm.")) for k in keys)  # nothing shared is stored
+    loaded = load_student(tiny_pair.target, path)
+    ids = torch.tensor([tiny_pair.tokenizer.encode("assert f(2) == 4")])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, student.eval()(ids).logits)
+    assert loaded.lm_head is tiny_pair.target.lm_head
+
+
+def test_topk_kl_is_exact_kl_when_k_covers_vocab():
+    torch.manual_seed(0)
+    p = torch.softmax(torch.randn(5, 11), -1)
+    logits = torch.randn(5, 11)
+    vals, idx = p.topk(11, -1)
+    kl, _ = topk_kl(logits, vals, idx)
+    exact = (p * (p.log() - torch.log_softmax(logits, -1))).sum(-1)
+    torch.testing.assert_close(kl, exact, atol=1e-5, rtol=1e-4)
+    kl4, _ = topk_kl(logits, vals[:, :4], idx[:, :4])  # grouping the tail can only lower KL (log-sum inequality)
+    assert (kl4 <= kl + 1e-6).all()
+
+
+def test_collate_aligns_teacher_with_continuation():
+    item = {"ids": torch.tensor([5, 6, 7, 8, 9], dtype=torch.int32), "start": 3,
+            "vals": torch.tensor([[0.9], [0.8]], dtype=torch.float16), "idx": torch.tensor([[8], [9]], dtype=torch.int32)}
+    b = collate([item, {**item, "ids": item["ids"][:4], "vals": item["vals"][:1], "idx": item["idx"][:1]}], pad_id=0)
+    assert b["x"].tolist() == [[5, 6, 7, 8], [5, 6, 7, 0]]
+    assert b["mask"].tolist() == [[False, False, True, True], [False, False, True, False]]
+    assert b["idx"][:, 0].tolist() == [8, 9, 8]  # the position before token t holds the teacher's guess for t
+
+
+def test_leviathan_speedup():
+    assert leviathan_speedup(0.0, 0.1) == {"speedup": 1.0, "gamma": 0}  # no draft beats a useless one
+    r = leviathan_speedup(0.8, 0.1)
+    assert r["gamma"] > 1 and r["speedup"] == pytest.approx((1 - 0.8 ** (r["gamma"] + 1)) / (0.2 * (r["gamma"] * 0.1 + 1)))
+
+
+def test_distill_cli_tiny(cli, tmp_path):
+    out = tmp_path / "student.safetensors"
+    res = cli("train.distill", "pair=tiny_random", "student.layers=[0]", "data.max_new_tokens=8", "data.gen_batch_size=4",
+              "data.sources=[{dataset: mbpp, split: train, limit: 6}]", "data.text.chunks=2",
+              "data.heldout=[{dataset: mbpp, split: validation, limit: 2}]", "data.heldout_text_chunks=2",
+              "train.max_steps=3", "train.val_every=2", "train.batch_size=2", "measure_cost=false",
+              f"data.cache_dir={tmp_path / 'cache'}", f"out={out}", f"hydra.run.dir={tmp_path / 'run'}")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "after" in res.stdout and out.is_file()
+    pair = load_pair("tiny_random")
+    student = load_student(pair.target, out)
+    assert student.student_info["layers"] == [0] and student.student_info["steps_run"] == 3
+    # trained: the student's layer moved away from the target layer it was copied from
+    init = layer_subset(pair.target, [0])
+    assert not torch.equal(student.model.layers[0].mlp.up_proj.weight, init.model.layers[0].mlp.up_proj.weight)
+    assert len(list((tmp_path / "cache").rglob("*.pt"))) == 3  # continuations, text, held-out cached for reruns
+
+
+def test_distill_rejects_test_split_and_bad_layers(cli, tmp_path):
+    res = cli("train.distill", "pair=tiny_random", "data.sources=[{dataset: mbpp, split: test, limit: 2}]",
+              f"data.cache_dir={tmp_path}", f"hydra.run.dir={tmp_path / 'run'}")
+    assert res.returncode == 2 and "test split" in res.stderr
+    res = cli("train.distill", "pair=tiny_random", "student.layers=[7]", f"hydra.run.dir={tmp_path / 'run'}")
+    assert res.returncode == 2 and "student.layers" in res.stderr

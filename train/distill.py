@@ -1,0 +1,559 @@
+"""`python -m train.distill pair=NAME`: distil a cheap draft (a shallow student) from the pair's target.
+
+Why: speculative decoding only pays when the draft is both cheap (cost ratio c = draft step / target step small) and
+close to the target (acceptance high). A slice of the target's first layers is cheap but far (Σmin(p,q) ≈ 0.06 on
+SmolLM2); a little token-level KL training on what the target itself writes (DistillSpec's on-policy data) closes
+much of the gap.
+
+Recipe, top to bottom:
+1. data: the target's own continuations of train-split prompts of the domains we decode, generated batched with a KV
+   cache, plus raw WikiText-2 train text. The teacher's top-k probabilities (+ the rest mass) are stored per position
+   at generation time, so training never runs the 30-layer teacher again. Cached on disk; a rerun skips it.
+2. student: `layer_subset(target, layers, share=False)`: copies of the chosen layers (+ optionally the final norm),
+   trainable in fp32; embeddings and LM head shared with the target and frozen.
+3. loss: KL(p_target || q_student) from the top-k teacher (cross-entropy over the k kept tokens + the rest mass), on
+   continuation positions only (the LM head runs only there). AdamW, warmup + cosine, gradient clipping, bf16 autocast.
+4. a held-out check (validation splits) every `val_every` steps writes snapshot student files; the best one is the
+   output. A before/after table reports held-out Σmin(p,q), greedy agreement, the measured cost ratio c and the
+   predicted speedup (Leviathan et al.'s improvement factor at the best constant draft length).
+
+The output file holds only the student's own tensors and JSON metadata (`models.pair.STUDENT_META`): load it with
+`models.pair.load_student(target, path)` or a pair config `draft: {source: student, weights: PATH}`.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
+
+from models.pair import STUDENT_META, Pair, _cache_root, _decoder_parts, layer_subset, load_pair, load_student
+from utils.cli import UserError, check_name, hydra_entry
+
+log = logging.getLogger(__name__)
+CODE_VERSION = "distill-1"
+
+
+# ------------------------------------------------------------------------------------------------------- the student
+
+
+def make_student(target, layers: list[int], own_norm: bool = True):
+    """Trainable copies of the target's `layers` (+ final norm) in fp32; embeddings and LM head shared and frozen."""
+    student = layer_subset(target, list(layers), share=False)
+    inner = _decoder_parts(student)
+    if own_norm:
+        inner.norm = copy.deepcopy(_decoder_parts(target).norm)
+    for p in student.parameters():
+        p.requires_grad_(False)
+    for module in own_modules(student, own_norm):
+        module.float()
+        for p in module.parameters():
+            p.requires_grad_(True)
+    return student.train()
+
+
+def own_modules(student, own_norm: bool) -> list[torch.nn.Module]:
+    inner = _decoder_parts(student)
+    return list(inner.layers) + ([inner.norm] if own_norm else [])
+
+
+def student_state(student, own_norm: bool, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The tensors that differ from the target: the student's layers (and norm), nothing shared."""
+    keep = lambda k: k.startswith("model.layers.") or (own_norm and k.startswith("model.norm."))  # noqa: E731
+    return {k: v.detach().to(dtype).contiguous().clone() for k, v in student.state_dict().items() if keep(k)}
+
+
+def save_student(student, path: Path, info: dict, dtype: torch.dtype) -> Path:
+    """Write the student file atomically (safetensors + JSON metadata that `load_student` reads)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".partial")
+    save_file(student_state(student, "norm" in info.get("own_modules", []), dtype), str(tmp),
+              metadata={STUDENT_META: json.dumps(info, default=str)})
+    os.replace(tmp, path)
+    return path
+
+
+# --------------------------------------------------------------------------------------------------------- the data
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    eos = eos if isinstance(eos, list) else [eos]
+    return {int(e) for e in eos + [tokenizer.eos_token_id] if e is not None}
+
+
+def _topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    probs = torch.softmax(logits.float(), dim=-1)
+    vals, idx = probs.topk(min(k, probs.shape[-1]), dim=-1)
+    return vals.to(torch.float16), idx.to(torch.int32)
+
+
+@torch.inference_mode()
+def generate_continuations(pair: Pair, texts: list[str], max_new_tokens: int, batch_size: int, temperature: float,
+                           topk: int, max_len: int, seed: int, desc: str) -> list[dict]:
+    """The target's continuations of `texts` (batched, KV cache) with its top-k probabilities at every new token.
+
+    Returns items {ids: prompt+continuation (int32), start: prompt length, vals, idx: (n_new, k)}; a continuation
+    ends after the first EOS. Prompts longer than max_len - max_new_tokens are skipped, not cut (a cut chat prompt
+    is not what decoding sees).
+    """
+    tok, target, vocab = pair.tokenizer, pair.target, pair.vocab_size
+    enc = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    enc = [e for e in enc if 0 < len(e) <= max_len - max_new_tokens]
+    order = sorted(range(len(enc)), key=lambda i: len(enc[i]))
+    eos = _eos_ids(target, tok)
+    pad = tok.pad_token_id
+    torch.manual_seed(seed)
+    out = []
+    for b in tqdm(range(0, len(order), batch_size), desc=desc, unit="batch"):
+        rows = [enc[i] for i in order[b : b + batch_size]]
+        width = max(map(len, rows))
+        ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for r, e in enumerate(rows):  # left padding: every row's next token sits at the same column
+            ids[r, width - len(e):] = torch.tensor(e)
+            mask[r, width - len(e):] = 1
+        gen = target.generate(
+            input_ids=ids.to(pair.device), attention_mask=mask.to(pair.device), max_new_tokens=max_new_tokens,
+            do_sample=temperature > 0, temperature=temperature if temperature > 0 else None, top_p=None, top_k=None,
+            pad_token_id=pad, output_logits=True, return_dict_in_generate=True,
+        )
+        new = gen.sequences[:, width:].cpu()
+        logits = torch.stack(gen.logits, 1)[..., :vocab]  # (B, T, V): the target's logits before each new token
+        for r, e in enumerate(rows):
+            cont = new[r].tolist()
+            n = next((t + 1 for t, x in enumerate(cont) if x in eos), len(cont))
+            if n == 0:
+                continue
+            vals, idx = _topk(logits[r, :n], topk)
+            out.append({"ids": torch.tensor(e + cont[:n], dtype=torch.int32), "start": len(e), "vals": vals, "idx": idx})
+    return out
+
+
+@torch.inference_mode()
+def teacher_text(pair: Pair, texts: list[str], topk: int, chunk_tokens: int, desc: str) -> list[dict]:
+    """Raw text chunks scored by the target (teacher-forced), top-k at every position after the first."""
+    out = []
+    for text in tqdm(texts, desc=desc, unit="chunk"):
+        ids = pair.tokenizer(text, add_special_tokens=False)["input_ids"][:chunk_tokens]
+        if len(ids) < 2:
+            continue
+        x = torch.tensor([ids], device=pair.device)
+        logits = pair.target(x).logits[0, :-1, : pair.vocab_size]
+        vals, idx = _topk(logits.cpu(), topk)
+        out.append({"ids": torch.tensor(ids, dtype=torch.int32), "start": 1, "vals": vals, "idx": idx})
+    return out
+
+
+def _prompts(pair: Pair, dataset: str, split: str, limit, chat: bool | None = None):
+    from data_gen.prompts import load_prompts, render
+
+    if split == "test":
+        raise UserError(f"distillation data must not use a test split (dataset {dataset}); use train or validation")
+    dcfg = OmegaConf.load(check_name("dataset", dataset))
+    prompts = load_prompts(dcfg, split, None if limit is None else int(limit))
+    use_chat = pair.chat_template if chat is None else chat
+    return prompts, [render(p, pair.tokenizer, use_chat) for p in prompts]
+
+
+def _cached(path: Path, make) -> list[dict]:
+    """Load a cached list of items, or make and store it atomically."""
+    if path.is_file():
+        return torch.load(path, weights_only=True)
+    items = make()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".partial")
+    torch.save(items, tmp)
+    os.replace(tmp, path)
+    return items
+
+
+def _key(*parts) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def build_data(pair: Pair, cfg: DictConfig) -> tuple[list[dict], list[dict], list[dict], Path]:
+    """(train items, held-out continuations, held-out text) — from the cache when present."""
+    d = cfg.data
+    root = Path(os.path.expanduser(str(d.cache_dir))) if d.get("cache_dir") else _cache_root(pair.cfg) / "distill"
+    root = root / pair.pair_id
+    base = (pair.pair_id, pair.tokenizer_hash, CODE_VERSION)
+    train = []
+    for src in d.sources:
+        key = _key(base, OmegaConf.to_container(src), d.max_new_tokens, d.temperature, d.topk, d.max_len, cfg.seed)
+        _, texts = _prompts(pair, src.dataset, src.split, src.get("limit"))
+        train += _cached(root / f"gen-{src.dataset}-{src.split}-{key}.pt", lambda: generate_continuations(
+            pair, texts, int(d.max_new_tokens), int(d.gen_batch_size), float(d.temperature), int(d.topk),
+            int(d.max_len), int(cfg.seed), f"target continuations {src.dataset}/{src.split}"))
+    if d.get("text") and int(d.text.chunks) > 0:
+        t = d.text
+        prompts, _ = _prompts(pair, t.dataset, t.split, int(t.chunks))
+        texts = [f"{p.text} {p.reference}" for p in prompts]
+        key = _key(base, OmegaConf.to_container(t), d.topk)
+        train += _cached(root / f"text-{t.dataset}-{t.split}-{key}.pt",
+                         lambda: teacher_text(pair, texts, int(d.topk), int(t.chunk_tokens), "teacher on text"))
+    heldout = []
+    for src in d.heldout:
+        key = _key(base, OmegaConf.to_container(src), 64, d.max_len)
+        _, texts = _prompts(pair, src.dataset, src.split, src.get("limit"))
+        heldout += _cached(root / f"heldout-{src.dataset}-{src.split}-{key}.pt", lambda: generate_continuations(
+            pair, texts, 64, int(d.gen_batch_size), 0.0, 1, int(d.max_len), int(cfg.seed), "held-out continuations"))
+    prompts, _ = _prompts(pair, "wikitext2", "validation", int(d.heldout_text_chunks))
+    heldout_text = [{"ids": torch.tensor(pair.tokenizer(f"{p.text} {p.reference}", add_special_tokens=False)
+                                         ["input_ids"][:256], dtype=torch.int32), "start": 1} for p in prompts]
+    if not train:
+        raise UserError("distillation data is empty; check data.sources (limits, max_len vs prompt lengths)")
+    return train, heldout, heldout_text, root
+
+
+# ------------------------------------------------------------------------------------------------------ measurement
+
+
+@torch.inference_mode()
+def acceptance(draft, target, items: list[dict], vocab: int, device, teacher_cache: dict | None = None) -> dict:
+    """Teacher-forced agreement of draft q and target p on positions item["start"]: of each sequence.
+
+    Returns token-weighted means of Σmin(p,q) (the per-token acceptance rate of exact sampling verification) and of
+    1[argmax q = argmax p] (greedy verification), plus the per-sequence Σmin means. `teacher_cache` (dict) keeps the
+    target's probabilities between calls, so repeated checks during training do not rerun the target.
+    """
+    sums, agrees, per_seq, n = 0.0, 0.0, [], 0
+    for i, it in enumerate(items):
+        ids = it["ids"].long().unsqueeze(0).to(device)
+        s = int(it["start"])
+        if teacher_cache is not None and i in teacher_cache:
+            p = teacher_cache[i].float()
+        else:
+            p = torch.softmax(target(ids).logits[0, s - 1 : -1, :vocab].float(), -1)
+            if teacher_cache is not None:
+                teacher_cache[i] = p.to(torch.bfloat16)
+        q = torch.softmax(draft(ids).logits[0, s - 1 : -1, :vocab].float(), -1)
+        m = torch.minimum(p, q).sum(-1)
+        sums += m.sum().item()
+        agrees += (p.argmax(-1) == q.argmax(-1)).float().sum().item()
+        per_seq.append(m.mean().item())
+        n += m.numel()
+    return {"sum_min": sums / max(n, 1), "greedy_agree": agrees / max(n, 1), "tokens": n, "per_seq_sum_min": per_seq}
+
+
+@torch.inference_mode()
+def step_time(model, ids: torch.Tensor, steps: int) -> float:
+    """Median seconds of one batch-1 decode step with a KV cache after prefilling `ids`."""
+    out = model(ids, use_cache=True)
+    cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        out = model(nxt, past_key_values=cache, use_cache=True)
+        times.append(time.perf_counter() - t0)
+        cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def cost_ratio(draft, target, ids: torch.Tensor, steps: int = 32, repeats: int = 5) -> dict:
+    """c = draft decode step / target decode step, both medians over interleaved repeats (robust to a busy CPU)."""
+    step_time(draft, ids, 4), step_time(target, ids, 4)  # warm-up
+    d, t = [], []
+    for _ in range(repeats):
+        d.append(step_time(draft, ids, steps))
+        t.append(step_time(target, ids, steps))
+    d, t = sorted(d)[repeats // 2], sorted(t)[repeats // 2]
+    return {"c": d / t, "draft_step_ms": 1e3 * d, "target_step_ms": 1e3 * t}
+
+
+def leviathan_speedup(alpha: float, c: float, max_gamma: int = 32) -> dict:
+    """Leviathan et al. (2023) Thm 3.8: speedup(γ) = (1-α^(γ+1)) / ((1-α)(γc+1)); the best constant γ ≥ 1."""
+    best = (1.0, 0)
+    for g in range(1, max_gamma + 1):
+        tokens = g + 1 if alpha >= 1 else (1 - alpha ** (g + 1)) / (1 - alpha)
+        best = max(best, (tokens / (g * c + 1), g))
+    return {"speedup": best[0], "gamma": best[1]}
+
+
+def describe(draft, target, pair: Pair, heldout, heldout_text, cost_ids, measure_cost: bool, cache=None) -> dict:
+    cont = acceptance(draft, target, heldout, pair.vocab_size, pair.device, cache)
+    text = acceptance(draft, target, heldout_text, pair.vocab_size, pair.device)
+    row = {"heldout_sum_min": cont["sum_min"], "heldout_greedy_agree": cont["greedy_agree"],
+           "heldout_text_sum_min": text["sum_min"], "heldout_tokens": cont["tokens"]}
+    if measure_cost:
+        row.update(cost_ratio(draft, target, cost_ids))
+        row["speedup_sampling"] = leviathan_speedup(row["heldout_sum_min"], row["c"])
+        row["speedup_greedy"] = leviathan_speedup(row["heldout_greedy_agree"], row["c"])
+    return row
+
+
+def print_table(rows: dict[str, dict]) -> None:
+    cols = [("heldout_sum_min", "Σmin(p,q) cont."), ("heldout_greedy_agree", "greedy agree"),
+            ("heldout_text_sum_min", "Σmin(p,q) text"), ("c", "cost ratio c")]
+    head = f"{'':>10} " + " ".join(f"{name:>16}" for _, name in cols) + f" {'speedup (γ) greedy/sampling':>30}"
+    print(head)
+    for label, r in rows.items():
+        vals = " ".join(f"{r[k]:16.3f}" if k in r else f"{'-':>16}" for k, _ in cols)
+        sp = (f"{r['speedup_greedy']['speedup']:.2f} ({r['speedup_greedy']['gamma']}) / "
+              f"{r['speedup_sampling']['speedup']:.2f} ({r['speedup_sampling']['gamma']})") if "c" in r else "-"
+        print(f"{label:>10} {vals} {sp:>30}")
+    sys.stdout.flush()
+
+
+# ---------------------------------------------------------------------------------------------------------- training
+
+
+def topk_kl(logits: torch.Tensor, vals: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-position KL(p||q) with p known on k tokens + the rest mass: (KL, cross-entropy), both (N,).
+
+    CE = -Σ_k p_i log q_i - p_rest log q_rest, where q_rest = 1 - Σ_k q_i; KL = CE - H(p) with the same grouping.
+    """
+    logq = torch.log_softmax(logits.float(), -1)
+    lq = logq.gather(-1, idx.long())
+    p = vals.float()
+    p_rest = (1 - p.sum(-1)).clamp_min(0)
+    q_rest = (1 - lq.exp().sum(-1)).clamp_min(1e-8)
+    ce = -(p * lq).sum(-1) - p_rest * q_rest.log()
+    neg_h = (p * p.clamp_min(1e-12).log()).sum(-1) + p_rest * p_rest.clamp_min(1e-12).log()
+    return ce + neg_h, ce
+
+
+class LengthBatches(torch.utils.data.Sampler):
+    """Batches of similar-length sequences (little padding), in a fresh random order every epoch."""
+
+    def __init__(self, lengths: list[int], batch_size: int, seed: int):
+        order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+        self.batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+        self.rng = random.Random(seed)
+
+    def __iter__(self):
+        batches = list(self.batches)
+        self.rng.shuffle(batches)
+        return iter(batches)
+
+    def __len__(self):
+        return len(self.batches)
+
+
+def collate(items: list[dict], pad_id: int) -> dict:
+    """Right-padded inputs ids[:-1], and the teacher's top-k aligned to the positions that predict ids[start:]."""
+    width = max(len(it["ids"]) for it in items) - 1
+    k = items[0]["vals"].shape[-1]
+    x = torch.full((len(items), width), pad_id, dtype=torch.long)
+    att = torch.zeros_like(x)
+    mask = torch.zeros((len(items), width), dtype=torch.bool)
+    vals = torch.zeros((len(items), width, k), dtype=torch.float16)
+    idx = torch.zeros((len(items), width, k), dtype=torch.int32)
+    for r, it in enumerate(items):
+        ids, s = it["ids"].long(), int(it["start"])
+        n = len(ids) - 1
+        x[r, :n], att[r, :n] = ids[:-1], 1
+        mask[r, s - 1 : n] = True
+        vals[r, s - 1 : n], idx[r, s - 1 : n] = it["vals"], it["idx"]
+    return {"x": x, "att": att, "mask": mask, "vals": vals[mask], "idx": idx[mask]}
+
+
+def _lightning():
+    import lightning as L
+
+    class DistillModule(L.LightningModule):
+        """The student and its KL objective; the frozen shared embeddings/head are not optimised."""
+
+        def __init__(self, student, vocab: int, tcfg: DictConfig):
+            super().__init__()
+            self.student, self.vocab, self.tcfg = student, vocab, tcfg
+            self.t0 = None
+
+        def training_step(self, batch, _):
+            inner = _decoder_parts(self.student)
+            h = inner(input_ids=batch["x"], attention_mask=batch["att"]).last_hidden_state
+            logits = self.student.lm_head(h[batch["mask"]])[:, : self.vocab]  # the head only where a loss is taken
+            kl, ce = topk_kl(logits, batch["vals"], batch["idx"])
+            loss = kl.mean()
+            if float(self.tcfg.ce_weight) > 0:
+                loss = loss + float(self.tcfg.ce_weight) * F.cross_entropy(logits.float(), batch["idx"][:, 0].long())
+            self.log("train/kl", kl.mean(), prog_bar=True)
+            self.log("train/tokens", float(batch["mask"].sum()), reduce_fx="sum")
+            return loss
+
+        def on_train_start(self):
+            self.t0 = time.time()
+
+        def progress(self, step: int) -> float:
+            frac = step / max(int(self.tcfg.max_steps), 1)
+            if self.tcfg.get("max_minutes") and self.t0 is not None:
+                frac = max(frac, (time.time() - self.t0) / (60 * float(self.tcfg.max_minutes)))
+            return min(frac, 1.0)
+
+        def configure_optimizers(self):
+            params = [p for p in self.student.parameters() if p.requires_grad]
+            opt = torch.optim.AdamW(params, lr=float(self.tcfg.lr), weight_decay=float(self.tcfg.weight_decay),
+                                    betas=(0.9, 0.98))
+            warm = int(self.tcfg.warmup_steps)
+
+            def factor(step):
+                if step < warm:
+                    return (step + 1) / warm
+                return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * self.progress(step)))
+
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    class Snapshots(L.Callback):
+        """Every `val_every` steps (and at the end): held-out Σmin(p,q); write last and best student files."""
+
+        def __init__(self, run_dir: Path, every: int, evaluate, save):
+            self.run_dir, self.every, self.evaluate, self.save = run_dir, every, evaluate, save
+            self.best, self.history = -1.0, []
+
+        def check(self, trainer, module):
+            step = trainer.global_step
+            if self.history and self.history[-1]["step"] == step:
+                return
+            module.student.eval()
+            with torch.autocast(module.device.type, dtype=torch.bfloat16):
+                row = self.evaluate(module.student)
+            module.student.train()
+            row.update(step=step, minutes=(time.time() - module.t0) / 60 if module.t0 else 0.0)
+            self.history.append(row)
+            if trainer.logger is not None:  # straight to the logger: self.log is not allowed in on_train_end
+                trainer.logger.log_metrics({f"val/{k}": float(v) for k, v in row.items()
+                                            if isinstance(v, (int, float))}, step=step)
+            self.save(module.student, self.run_dir / "student-last.safetensors", row)
+            if row["heldout_sum_min"] > self.best:
+                self.best = row["heldout_sum_min"]
+                shutil.copyfile(self.run_dir / "student-last.safetensors", self.run_dir / "student-best.safetensors")
+            print(f"\n[step {step}, {row['minutes']:.1f} min] held-out Σmin {row['heldout_sum_min']:.3f} "
+                  f"greedy {row['heldout_greedy_agree']:.3f} text {row['heldout_text_sum_min']:.3f}", flush=True)
+            with open(self.run_dir / "history.json", "w") as fh:
+                json.dump(self.history, fh, indent=1)
+
+        def on_train_batch_end(self, trainer, module, *_):
+            if self.every > 0 and trainer.global_step % self.every == 0:
+                self.check(trainer, module)
+
+        def on_train_end(self, trainer, module):
+            self.check(trainer, module)
+
+    return L, DistillModule, Snapshots
+
+
+def _run_dir() -> Path:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return Path(HydraConfig.get().runtime.output_dir)
+    except Exception:  # called outside Hydra (tests)
+        return Path(tempfile_dir())
+
+
+def tempfile_dir() -> str:
+    import tempfile
+
+    return tempfile.mkdtemp(prefix="distill-")
+
+
+def distill(cfg: DictConfig) -> dict:
+    """The whole job; returns the metrics written next to the student file."""
+    if cfg.get("threads"):
+        torch.set_num_threads(int(cfg.threads))
+    torch.manual_seed(int(cfg.seed))
+    L, DistillModule, Snapshots = _lightning()
+    pair = load_pair(cfg.pair)
+    target = pair.target
+    for p in target.parameters():
+        p.requires_grad_(False)
+    n_layers = len(_decoder_parts(target).layers)
+    layers = [int(i) for i in cfg.student.layers]
+    if not layers or any(not 0 <= i < n_layers for i in layers):
+        raise UserError(f"student.layers={layers} must be indices of the target's {n_layers} layers, e.g. [0,1,2,3]")
+    run_dir = _run_dir()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    out = Path(cfg.out) if cfg.get("out") else run_dir / "student.safetensors"
+    if out.suffix != ".safetensors":
+        raise UserError(f"out={out} must end in .safetensors")
+
+    t_data = time.time()
+    train, heldout, heldout_text, cache = build_data(pair, cfg)
+    t_data = time.time() - t_data
+    n_train_tokens = sum(len(it["ids"]) - int(it["start"]) for it in train)
+    print(f"data: {len(train)} sequences, {n_train_tokens} trained positions (cache {cache}); "
+          f"held-out {len(heldout)} continuations + {len(heldout_text)} text chunks", flush=True)
+    if int(cfg.train.max_steps) <= 0:  # data-only run: fill the cache (e.g. on a big machine) and stop
+        return {"train_sequences": len(train), "train_positions": n_train_tokens}
+    cost_ids = heldout[0]["ids"][: int(heldout[0]["start"])].long().unsqueeze(0).to(pair.device)
+    teacher_cache: dict = {}
+
+    def evaluate(model, cost=False):
+        return describe(model, target, pair, heldout, heldout_text, cost_ids, cost, teacher_cache)
+
+    own = ["norm"] if cfg.student.own_norm else []
+    student = make_student(target, layers, bool(cfg.student.own_norm))
+    rows = {"before": evaluate(layer_subset(target, layers), bool(cfg.measure_cost))}
+    print_table(rows)
+
+    info = {"layers": layers, "own_modules": own, "target": pair.pair_id, "tokenizer_hash": pair.tokenizer_hash,
+            "code_version": CODE_VERSION, "command": "python -m " + " ".join(["train.distill"] + sys.argv[1:]),
+            "recipe": OmegaConf.to_container(cfg, resolve=True)}
+
+    def save(model, path, row):
+        return save_student(model, path, {**info, "step": row.get("step"), "metrics": {
+            k: v for k, v in row.items() if isinstance(v, (int, float))}}, pair.dtype)
+
+    tcfg = cfg.train
+    loader = torch.utils.data.DataLoader(
+        train, batch_sampler=LengthBatches([len(it["ids"]) for it in train], int(tcfg.batch_size), int(cfg.seed)),
+        collate_fn=lambda b: collate(b, pair.tokenizer.pad_token_id))
+    module = DistillModule(student, pair.vocab_size, tcfg)
+    snaps = Snapshots(run_dir, int(tcfg.val_every), evaluate, save)
+    from lightning.pytorch.loggers import CSVLogger
+
+    trainer = L.Trainer(
+        accelerator="cuda" if pair.device.type == "cuda" else "cpu", devices=1, precision=str(tcfg.precision),
+        max_steps=int(tcfg.max_steps), max_time={"minutes": float(tcfg.max_minutes)} if tcfg.get("max_minutes") else None,
+        gradient_clip_val=float(tcfg.grad_clip), callbacks=[snaps], enable_checkpointing=False,
+        logger=CSVLogger(str(run_dir), name="csv"), log_every_n_steps=10, num_sanity_val_steps=0,
+        use_distributed_sampler=False, enable_model_summary=False, default_root_dir=str(run_dir))
+    t_train = time.time()
+    trainer.fit(module, loader)
+    t_train = time.time() - t_train
+
+    best = run_dir / "student-best.safetensors"
+    final = load_student(target, best).to(pair.device)
+    rows["after"] = evaluate(final, bool(cfg.measure_cost))
+    print_table(rows)
+    best_row = max(snaps.history, key=lambda r: r["heldout_sum_min"])
+    metrics = {"before": rows["before"], "after": rows["after"], "best_step": best_row["step"],
+               "steps": trainer.global_step, "train_minutes": t_train / 60, "data_minutes": t_data / 60,
+               "train_sequences": len(train), "train_positions": n_train_tokens,
+               "positions_seen": int(trainer.global_step * n_train_tokens / max(len(loader), 1)),
+               "history": snaps.history}
+    info.update(step=best_row["step"], steps_run=trainer.global_step, train_minutes=round(t_train / 60, 2),
+                metrics={k: v for k, v in rows["after"].items() if isinstance(v, (int, float))})
+    save_student(final, out, info, pair.dtype)
+    with open(out.with_suffix(".json"), "w") as fh:
+        json.dump({**metrics, "info": info}, fh, indent=1, default=str)
+    print(f"student ({len(layers)} layers from {layers}, step {best_row['step']}) -> {out} "
+          f"({out.stat().st_size / 2**20:.1f} MiB)")
+    return metrics
+
+
+@hydra_entry("distill")
+def main(cfg: DictConfig) -> None:
+    distill(cfg)
+
+
+if __name__ == "__main__":
+    main()
