@@ -140,7 +140,7 @@ def make_loggers(cfg: DictConfig, run_dir: Path) -> list:
         mode = str(wcfg.get("mode", "offline"))
         os.environ["WANDB_MODE"] = mode
         os.environ.setdefault("WANDB_SILENT", "true")
-        os.environ.setdefault("WANDB_DIR", str(run_dir))
+        os.environ["WANDB_DIR"] = str(run_dir)  # per job: a multirun must not reuse job 0's folder
         group, name = sweep_names(cfg, run_dir)
         wandb_logger = WandbLogger(
             project=str(wcfg.get("project", "specstop")),
