@@ -178,6 +178,7 @@ def test_cli_multirun_two_jobs_and_summary(cli, smoke_traces, tmp_path):
     assert taus == [1.0, 1.5]
     # each job is its own W&B run (offline, under its job folder), grouped by the sweep
     assert all(list((p.parent / "wandb").glob("offline-run-*")) for p in results)
+    assert "sweep summary" in res.stdout and "labels.tau=1.5" in res.stdout  # the Hydra callback's table
     summ = cli("train.summarize", str(sweep))
     assert summ.returncode == 0 and "labels.tau=1.5" in summ.stdout and (sweep / "summary.md").is_file()
 

@@ -11,6 +11,8 @@ import json
 import sys
 from pathlib import Path
 
+from hydra.experimental.callback import Callback
+
 COLUMNS = ("test/auroc", "test/ap", "test/f1", "test/f1_static_best", "threshold", "val/auroc")
 
 
@@ -37,6 +39,19 @@ def table(rows: list[dict]) -> str:
         cells += [f"{r[c]:.4f}" if isinstance(r.get(c), (int, float)) else "-" for c in COLUMNS]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+class SummaryCallback(Callback):
+    """Hydra callback (conf/train.yaml `hydra.callbacks`): after a multirun, print and write the sweep's table."""
+
+    def on_multirun_end(self, config, **kwargs) -> None:
+        root = Path(str(config.hydra.sweep.dir))
+        rows = collect(root) if root.is_dir() else []
+        if rows:
+            md = table(rows)
+            (root / "summary.md").write_text(md + "\n")
+            (root / "summary.json").write_text(json.dumps(rows, indent=2, default=str))
+            print(f"\nsweep summary ({root / 'summary.md'}):\n{md}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
