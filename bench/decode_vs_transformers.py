@@ -1,0 +1,132 @@
+"""Our speculative loop vs transformers' assisted generation at the same constant K (greedy, batch 1, same prompts).
+
+    python bench/decode_vs_transformers.py [--pair smollm2_135m] [--limit 5] [--max-new-tokens 64] [--k 5]
+
+transformers runs `target.generate(input_ids, assistant_model=draft, do_sample=False, max_new_tokens=M)` with the
+draft's generation_config set to num_assistant_tokens=K, num_assistant_tokens_schedule="constant",
+assistant_confidence_threshold=0 (no early stop), so both sides draft exactly K tokens per round. Ours runs
+decode.loop.speculative with the `constant` policy (k=K). Per prompt the two alternate (after one warm-up of each),
+so drift on a shared machine hits both alike. Writes bench/results/decode_vs_transformers.json with ours_s,
+transformers_s, ratio = ours_s / transformers_s (≤ 1 means we are at least as fast) and outputs_match.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from data_gen.prompts import load_prompts  # noqa: E402
+from decode.loop import speculative  # noqa: E402
+from decode.policies import Constant  # noqa: E402
+from decode.runner import eos_ids, tokenize_prompts  # noqa: E402
+from models.pair import load_pair  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def hf_assisted(pair, assistant, ids: list[int], max_new: int, eos: set[int]) -> tuple[list[int], float]:
+    x = torch.tensor([ids], device=pair.device)
+    sync(pair.device)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = pair.target.generate(x, attention_mask=torch.ones_like(x), assistant_model=assistant, do_sample=False,
+                                   max_new_tokens=max_new, eos_token_id=sorted(eos), pad_token_id=pair.tokenizer.pad_token_id)
+    sync(pair.device)
+    return out[0, len(ids):].tolist(), time.perf_counter() - t0
+
+
+def ours(pair, ids: list[int], k: int, max_new: int, eos: set[int]) -> tuple[list[int], float]:
+    res = speculative(pair, ids, Constant(k=k), max_new, 0.0, 1.0, eos)
+    return res.tokens, res.wall_s
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pair", default="smollm2_135m")
+    ap.add_argument("--dataset", default="mbpp")
+    ap.add_argument("--split", default="test")
+    ap.add_argument("--limit", type=int, default=5)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--k", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=1, help="timed passes over the prompts")
+    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "decode_vs_transformers.json"))
+    args = ap.parse_args()
+
+    pair = load_pair(args.pair)
+    dataset = OmegaConf.load(REPO / "conf" / "dataset" / f"{args.dataset}.yaml")
+    prompts = load_prompts(dataset, args.split, args.limit)
+    ids = tokenize_prompts(pair, prompts, args.max_new_tokens)
+    eos = eos_ids(pair)
+
+    # the layer-subset draft shares modules with the target; give transformers its own copy so nothing is shared
+    assistant = copy.deepcopy(pair.draft)
+    gc = assistant.generation_config
+    gc.num_assistant_tokens = args.k
+    gc.num_assistant_tokens_schedule = "constant"
+    gc.assistant_confidence_threshold = 0.0
+
+    hf_assisted(pair, assistant, ids[0], 8, eos)  # warm-up both
+    ours(pair, ids[0], args.k, 8, eos)
+    rows, ours_s, hf_s, match = [], 0.0, 0.0, True
+    for rep in range(args.repeats):
+        for p, x in zip(prompts, ids):
+            # alternate which side goes first, so neither always runs on a just-warmed cache
+            if (rep + len(rows)) % 2 == 0:
+                t_o, s_o = ours(pair, x, args.k, args.max_new_tokens, eos)
+                t_h, s_h = hf_assisted(pair, assistant, x, args.max_new_tokens, eos)
+            else:
+                t_h, s_h = hf_assisted(pair, assistant, x, args.max_new_tokens, eos)
+                t_o, s_o = ours(pair, x, args.k, args.max_new_tokens, eos)
+            same = t_o == t_h
+            match &= same
+            ours_s += s_o
+            hf_s += s_h
+            rows.append({"prompt_id": p.prompt_id, "repeat": rep, "ours_s": s_o, "transformers_s": s_h,
+                         "ours_tokens": len(t_o), "transformers_tokens": len(t_h), "match": same})
+            print(f"{p.prompt_id}: ours {s_o:.3f}s ({len(t_o)} tok)  transformers {s_h:.3f}s ({len(t_h)} tok)  "
+                  f"match={same}", flush=True)
+    result = {
+        "ours_s": ours_s,
+        "transformers_s": hf_s,
+        "ratio": ours_s / hf_s if hf_s else float("nan"),
+        "outputs_match": bool(match),
+        "pair": pair.pair_id,
+        "dataset": args.dataset,
+        "split": args.split,
+        "prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "k": args.k,
+        "repeats": args.repeats,
+        "greedy": True,
+        "batch_size": 1,
+        "device": str(pair.device),
+        "dtype": str(pair.dtype),
+        "torch_threads": torch.get_num_threads(),
+        "machine": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "per_prompt": rows,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(json.dumps({k: result[k] for k in ("ours_s", "transformers_s", "ratio", "outputs_match")}))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,261 @@
+"""The speculative loop on the tiny pair: lossless greedy for every exact policy, exact sampling law, SPRINTER,
+features identical to data_gen's teacher-forced ones, the CLI and its one-line errors; a `real` MBPP check."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from decode.loop import LM, autoregressive, speculative
+from decode.policies import Learned, Sprinter, StopPolicy, build_policy
+from models.features import FeatureSpec, draft_probs, entropy, topk_probs
+
+PROMPTS = ["def add(a, b):\n    return", "The quick brown fox", "x = [i * i for i in range(10)]\nprint("]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models on a shared 2-core machine run fastest single-threaded."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def ids_of(pair, text):
+    return pair.tokenizer.encode(text, add_special_tokens=False)
+
+
+def make_head(pair, kind: str, threshold: float = 0.5, seed: int = 0):
+    from models.heads import HeadBundle, build_head
+
+    spec = FeatureSpec("disco") if kind == "disco" else FeatureSpec("hidden", d=int(pair.draft.config.hidden_size))
+    torch.manual_seed(seed)
+    head = build_head(kind, spec).eval()
+    return HeadBundle(head=head, kind=kind, spec=spec, labels={"name": "greedy_match"}, threshold=threshold,
+                      pair_id=pair.pair_id, tokenizer_hash=pair.tokenizer_hash)
+
+
+def save_head(bundle, path):
+    torch.save({"specstop": bundle.meta(), "state_dict": {f"head.{k}": v for k, v in bundle.head.state_dict().items()}},
+               path)
+    return path
+
+
+class FixedVerifier:
+    """A SPRINTER verifier stub that always returns the same acceptance probability."""
+
+    def __init__(self, pair, a: float):
+        self.head, self.kind, self.spec, self.labels = torch.nn.Identity(), "sprinter", FeatureSpec("hidden", d=64), {}
+        self.threshold, self.pair_id, self.tokenizer_hash, self.path, self.a = 0.5, pair.pair_id, "", None, a
+
+    def prob(self, x):
+        return torch.tensor(self.a)
+
+
+def exact_policies(pair):
+    pols = [build_policy("constant", {"k": k}) for k in (1, 3, 6)]
+    pols += [build_policy("heuristic", {}), build_policy("oracle", {}), build_policy("svip", {}),
+             build_policy("adaedl", {}), build_policy("svip", {"h": 0.9, "max_len": 12})]
+    pols += [build_policy("max_confidence", {"adapt": a}) for a in ("none", "ema", "roc")]
+    pols += [Learned(make_head(pair, "disco")), Learned(make_head(pair, "specdecpp"), threshold=0.3)]
+    pols.append(Sprinter(FixedVerifier(pair, 0.0)))  # a verifier that rejects everything = exact verification
+    return pols
+
+
+def test_greedy_lossless_every_exact_policy(tiny_pair):
+    eos = {tiny_pair.tokenizer.eos_token_id}
+    accepted_any = False
+    for text in PROMPTS:
+        ids = ids_of(tiny_pair, text)
+        ref = autoregressive(tiny_pair, ids, 40, eos=eos)
+        for pol in exact_policies(tiny_pair):
+            res = speculative(tiny_pair, ids, pol, 40, eos=eos, lookahead=ref.tokens)
+            assert res.tokens == ref.tokens, f"{pol.name} diverged on {text!r}"
+            assert res.drafted >= res.accepted and len(res.tokens) == 40
+            assert res.target_calls == len(res.rounds)
+            accepted_any |= res.accepted > 0
+    assert accepted_any  # both acceptance and rejection paths ran
+
+
+class Recorder(StopPolicy):
+    """Constant K=4 that keeps every DraftStep it saw."""
+
+    name = "recorder"
+    needs_hidden = True
+
+    def __init__(self):
+        super().__init__(max_len=4)
+        self.steps = []
+
+    def should_stop(self, step):
+        self.steps.append((step.position, step.token, step.disco(10), step.hidden.clone()))
+        return step.position_in_round + 1 >= 4
+
+
+def test_features_equal_teacher_forced_draft_pass(tiny_pair):
+    """DISCO features / hidden of a drafted position equal draft_probs/topk_probs/entropy on a teacher-forced pass."""
+    ids = ids_of(tiny_pair, PROMPTS[0])
+    for temperature in (0.0, 0.8):
+        pol = Recorder()
+        res = speculative(tiny_pair, ids, pol, 30, temperature=temperature, generator=torch.Generator().manual_seed(3))
+        # teacher-forced draft pass over prompt + the continuation as emitted
+        seq = ids + res.tokens
+        with torch.no_grad():
+            h = tiny_pair.draft.get_decoder()(input_ids=torch.tensor([seq])).last_hidden_state[0]
+            logits = tiny_pair.draft.get_output_embeddings()(h)[:, : tiny_pair.vocab_size]
+        q = draft_probs(logits, temperature)
+        checked, idx = 0, 0
+        for k, n in res.rounds:
+            # steps 0..n of a round were drafted from the final output's prefix (the earlier ones were accepted)
+            for j, (pos, tok, disco, hidden) in enumerate(pol.steps[idx : idx + k]):
+                if j <= n:
+                    i = len(ids) - 1 + pos
+                    assert torch.allclose(disco[:10], topk_probs(q[i], 10), atol=1e-5)
+                    assert torch.allclose(disco[10], entropy(q[i]), atol=1e-4)
+                    assert float(disco[11]) == j
+                    assert torch.allclose(hidden, h[i], atol=1e-4)
+                    checked += 1
+            idx += k
+        assert checked >= 5
+
+
+def test_sampling_matches_target_joint_law_of_two_tokens(tiny_pair):
+    """Exact speculative sampling: the first two emitted tokens follow p(t1)·p(t2 | t1) (chi-square, α = 0.001).
+
+    N = 1500 runs, bins = (t1, t2) pairs with expected count ≥ 15 plus one 'rest' bin. Power: the tiny pair's
+    draft differs from the target by TVD ≈ 0.5, so a loop that leaked q (e.g. accepted without the p/q test or
+    resampled from p instead of the residual) would shift ≥ 0.1 of mass and λ ≫ 100 → power ≈ 1.
+    """
+    ids = ids_of(tiny_pair, PROMPTS[1])
+    T = 1.0
+    with torch.no_grad():
+        base = torch.tensor([ids])
+        p1 = draft_probs(tiny_pair.target(base).logits[0, -1, : tiny_pair.vocab_size], T)
+        V = p1.shape[0]
+        batch = torch.cat([base.repeat(V, 1), torch.arange(V).view(V, 1)], 1)
+        p2 = draft_probs(tiny_pair.target(batch).logits[:, -1, : tiny_pair.vocab_size], T)
+    joint = (p1.view(V, 1) * p2).double()
+    n = 1500
+    counts = torch.zeros(V, V, dtype=torch.float64)
+    pol = build_policy("constant", {"k": 3})
+    for s in range(n):
+        res = speculative(tiny_pair, ids, pol, 2, temperature=T, generator=torch.Generator().manual_seed(s))
+        counts[res.tokens[0], res.tokens[1]] += 1
+    expected = joint * n
+    big = expected >= 15
+    obs = np.append(counts[big].numpy(), counts[~big].sum().item())
+    exp = np.append(expected[big].numpy(), expected[~big].sum().item())
+    assert big.sum() >= 5
+    assert chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 1e-3
+
+
+def test_sprinter_keeps_verifier_accepted_tokens_without_target(tiny_pair):
+    ids = ids_of(tiny_pair, PROMPTS[0])
+    pol = Sprinter(FixedVerifier(tiny_pair, 1.0), max_len=64)  # accepts everything
+    res = speculative(tiny_pair, ids, pol, 20)
+    draft_only = autoregressive(type("P", (), {"target": tiny_pair.draft, "vocab_size": tiny_pair.vocab_size})(),
+                                ids, 19)
+    assert res.target_calls == 1 and res.unchecked == 19
+    assert res.tokens[:19] == draft_only.tokens
+    assert res.tvd_sum > 0
+
+
+def test_lm_wrapper_equals_full_forward(tiny_pair):
+    ids = ids_of(tiny_pair, PROMPTS[2])
+    lm = LM(tiny_pair.target, tiny_pair.vocab_size)
+    logits, _ = lm(ids, lm.new_cache(), last=len(ids))
+    with torch.no_grad():
+        full = tiny_pair.target(torch.tensor([ids])).logits[0, :, : tiny_pair.vocab_size]
+    assert torch.allclose(logits, full, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------------------------- CLI
+
+BASE = ["decode", "pair=tiny_random", "dataset=mbpp", "split=test", "limit=2", "max_new_tokens=12", "threads=1",
+        "plots=false"]
+
+
+def test_cli_summary(cli, tmp_path, tiny_pair):
+    ckpt = save_head(make_head(tiny_pair, "disco"), tmp_path / "disco.ckpt")
+    out = tmp_path / "run"
+    r = cli(*BASE, f"policies=[constant,svip,oracle,learned:{ckpt}]", f"out_dir={out}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary) == {"target", "constant", "svip", "oracle", "learned"}
+    for key in ("tokens_per_s", "speedup", "cost_model_speedup", "acceptance_rate", "mean_accepted_length",
+                "target_calls_per_token", "draft_calls_per_token", "policy_overhead_frac", "lossless"):
+        assert key in summary["svip"]
+    assert all(summary[k]["lossless"] is True for k in ("constant", "svip", "oracle", "learned"))
+    assert summary["oracle"]["oracle"] is True
+    rows = [json.loads(line) for line in (out / "prompts.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 * 5
+    assert "| svip |" in (out / "summary.md").read_text()
+
+
+def test_cli_sampling_and_sprinter(cli, tmp_path, tiny_pair):
+    ckpt = save_head(make_head(tiny_pair, "sprinter"), tmp_path / "spr.ckpt")
+    out = tmp_path / "run"
+    r = cli(*BASE, "temperature=0.8", f"policies=[adaedl,sprinter]", f"policy_ckpt={ckpt}", f"out_dir={out}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["adaedl"]["lossless"] is None  # sampling: judged by the distribution tests, not token equality
+    assert s["sprinter"]["approximate"] is True and "tvd_est" in s["sprinter"] and "rouge_l_ref" in s["sprinter"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["policies=[constant,nope]"], "unknown policy 'nope'; known: target, constant"),
+        (["policies=[constant]", "max_new_tokens=0"], "max_new_tokens must be > 0"),
+        (["policies=[oracle]", "temperature=0.7"], "oracle policy is greedy-only"),
+        (["policies=[constant]", "max_new_tokens=100000"], "context"),
+        (["policies=[learned]"], "needs a head"),
+    ],
+)
+def test_cli_bad_input_one_line(cli, tmp_path, args, message):
+    r = cli(*BASE, *args, f"out_dir={tmp_path / 'x'}")
+    assert r.returncode == 2
+    lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+    assert lines[-1].startswith("error:") and message in lines[-1], r.stderr[-1500:]
+    assert not (tmp_path / "x" / "summary.json").exists()
+
+
+def test_cli_head_pair_mismatch(cli, tmp_path, tiny_pair):
+    bundle = make_head(tiny_pair, "disco")
+    bundle.pair_id = "smollm2_135m"
+    ckpt = save_head(bundle, tmp_path / "other.ckpt")
+    r = cli(*BASE, f"policies=[learned:{ckpt}]", f"out_dir={tmp_path / 'x'}")
+    assert r.returncode == 2 and "error:" in r.stderr and "smollm2_135m" in r.stderr and "tiny_random" in r.stderr
+
+
+# -------------------------------------------------------------------------------------------------------------- real
+
+
+@pytest.mark.real
+def test_real_mbpp_greedy_lossless_constant_and_svip():
+    """≥ 20 real MBPP prompts on the default pair: greedy constant and svip outputs equal target-only token for token."""
+    from omegaconf import OmegaConf
+
+    from data_gen.prompts import load_prompts
+    from decode.runner import eos_ids, tokenize_prompts
+    from models.pair import load_pair
+    from utils.cli import CONF_DIR
+
+    torch.set_num_threads(2)
+    pair = load_pair("smollm2_135m")
+    prompts = load_prompts(OmegaConf.load(CONF_DIR / "dataset" / "mbpp.yaml"), "test", 20)
+    ids = tokenize_prompts(pair, prompts, 16)
+    eos = eos_ids(pair)
+    bad = []
+    for p, x in zip(prompts, ids):
+        ref = autoregressive(pair, x, 16, eos=eos)
+        for name in ("constant", "svip"):
+            res = speculative(pair, x, build_policy(name, {}), 16, eos=eos)
+            if res.tokens != ref.tokens:
+                bad.append((p.prompt_id, name))
+    assert len(prompts) == 20 and not bad, bad

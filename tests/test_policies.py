@@ -1,0 +1,154 @@
+"""Stop policies in isolation: each rule fires exactly where its paper says, adaptive state moves as specified."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from decode.policies import (SVIP, AdaEDL, Constant, Heuristic, Learned, MaxConfidence, Oracle, Sprinter,
+                             build_policy, parse_spec)
+from models.features import DraftStep, FeatureSpec, entropy
+from utils.cli import UserError
+
+
+def step(probs=None, token=0, pos_in_round=0, position=0, hidden=None):
+    if probs is None:
+        probs = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    return DraftStep(probs=probs, token=token, hidden=hidden, position_in_round=pos_in_round, position=position)
+
+
+def dist_with_entropy(h: float, v: int = 50) -> torch.Tensor:
+    """A distribution over v tokens with entropy h nats (one peak + uniform rest, found by bisection)."""
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        p = torch.full((v,), (1 - mid) / (v - 1), dtype=torch.float64)
+        p[0] = mid
+        if float(entropy(p)) > h:
+            lo = mid
+        else:
+            hi = mid
+    return p.float()
+
+
+def test_constant_stops_after_k():
+    pol = Constant(k=3)
+    assert [pol.should_stop(step(pos_in_round=j)) for j in range(3)] == [False, False, True]
+    assert pol.max_len == 3
+
+
+def test_heuristic_schedule_matches_transformers():
+    pol = Heuristic(k=5, max_len=8)
+    pol.observe(5, 5)
+    assert pol.k == 7
+    pol.observe(7, 7)
+    assert pol.k == 8  # capped
+    pol.observe(8, 2)
+    assert pol.k == 7
+    for _ in range(10):
+        pol.observe(pol.k, 0)
+    assert pol.k == 1  # min 1
+    pol.reset()
+    assert pol.k == 5
+
+
+def test_oracle_stops_at_first_mismatch():
+    pol = Oracle()
+    pol.reset(lookahead=[4, 5, 6])
+    assert not pol.should_stop(step(token=4, position=0))
+    assert pol.should_stop(step(token=9, position=1))
+    assert pol.should_stop(step(token=6, position=3))  # past the lookahead
+    with pytest.raises(UserError):
+        Oracle().reset()
+
+
+def test_svip_threshold_on_entropy():
+    pol = SVIP(c=0.15, h=0.3)  # stop iff H > h²/c = 0.6 nats
+    assert not pol.should_stop(step(dist_with_entropy(0.55)))
+    assert pol.should_stop(step(dist_with_entropy(0.65)))
+    assert math.isclose(pol.h_max, 0.6)
+
+
+def test_max_confidence_fixed_and_roc():
+    pol = MaxConfidence(lam=0.4)
+    assert pol.should_stop(step(torch.tensor([0.35, 0.35, 0.3, 0.0])))
+    assert not pol.should_stop(step(torch.tensor([0.45, 0.35, 0.2, 0.0])))
+    roc = MaxConfidence(lam=0.4, adapt="roc")
+    for conf_ok, conf_bad in [(0.9, 0.2), (0.8, 0.3), (0.95, 0.25), (0.85, 0.1)]:
+        roc.should_stop(step(torch.tensor([conf_ok, 1 - conf_ok])))
+        roc.should_stop(step(torch.tensor([max(conf_bad, 1 - conf_bad), min(conf_bad, 1 - conf_bad)])))
+        roc.observe(2, 1)
+    assert roc.lam != 0.4  # refit on the history
+
+
+def test_adaedl_rule_and_algorithm_1():
+    pol = AdaEDL(gamma=0.2, lambda0=0.7, alpha=0.9, beta1=0.5, beta2=0.9, eps=0.01, max_len=16)
+    # stop iff 1 − √(0.2·H) < 0.7  <=>  H > 0.45
+    assert not pol.should_stop(step(dist_with_entropy(0.40)))
+    assert pol.should_stop(step(dist_with_entropy(0.50)))
+    pol.observe(4, 1)  # AR = 0.25 < α → λ' = λ + ε;  λ = 0.9·0.7 + 0.1·0.71
+    assert pol.ema.lam == pytest.approx(0.701)
+    pol.observe(4, 4)  # AR = 0.5·0.25 + 0.5·1 = 0.625 < α → up again
+    assert pol.ema.lam == pytest.approx(0.9 * 0.701 + 0.1 * 0.711)
+    for _ in range(6):
+        pol.observe(4, 4)  # AR → ≥ 0.9, accepted ≠ L → λ goes down
+    assert pol.ema.lam < 0.702
+
+
+class StubBundle:
+    """Same fields as models.heads.HeadBundle; prob() returns a scripted sequence."""
+
+    def __init__(self, kind, spec, probs, threshold=0.5, pair_id="tiny_random", tokenizer_hash="x"):
+        self.head, self.kind, self.spec, self.labels = torch.nn.Identity(), kind, spec, {}
+        self.threshold, self.pair_id, self.tokenizer_hash, self.path = threshold, pair_id, tokenizer_hash, None
+        self.probs = list(probs)
+        self.seen = []
+
+    def prob(self, x):
+        self.seen.append(x)
+        return torch.tensor(self.probs.pop(0))
+
+    def check_pair(self, pair):
+        if pair.pair_id != self.pair_id:
+            raise UserError(f"head was trained on pair {self.pair_id} but this run uses {pair.pair_id}")
+
+
+def test_learned_disco_threshold_and_features():
+    b = StubBundle("disco", FeatureSpec("disco", k=3), [0.9, 0.6, 0.4])
+    pol = Learned(b, threshold=0.5)
+    q = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    assert [pol.should_stop(step(q, pos_in_round=j)) for j in range(3)] == [False, False, True]
+    assert b.seen[2].shape == (5,) and float(b.seen[2][-1]) == 2.0  # k probs, entropy, position in round
+    assert torch.allclose(b.seen[0][:3], torch.tensor([0.5, 0.3, 0.15]))
+
+
+def test_learned_specdecpp_product_rule():
+    b = StubBundle("specdecpp", FeatureSpec("hidden", d=4), [0.9, 0.9, 0.9, 0.9])
+    pol = Learned(b, threshold=0.3)  # stop when 1 − Π a > 0.3: 0.1, 0.19, 0.271, 0.344
+    h = torch.zeros(4)
+    assert [pol.should_stop(step(hidden=h, pos_in_round=j)) for j in range(4)] == [False, False, False, True]
+    b.probs = [0.5]
+    assert pol.should_stop(step(hidden=h, pos_in_round=0)) is True  # new round: 1 − 0.5 > 0.3
+    assert pol.needs_hidden and not pol.needs_probs
+
+
+def test_sprinter_is_approximate():
+    pol = Sprinter(StubBundle("sprinter", FeatureSpec("hidden", d=4), [0.7, 0.2]), threshold=0.5)
+    assert pol.approximate
+    assert not pol.should_stop(step(hidden=torch.zeros(4)))
+    assert pol.should_stop(step(hidden=torch.zeros(4), pos_in_round=1))
+
+
+def test_bad_specs_give_one_clear_error():
+    with pytest.raises(UserError, match="known: target, constant"):
+        parse_spec("nope")
+    with pytest.raises(UserError, match="takes no checkpoint"):
+        parse_spec("svip:/x.ckpt")
+    with pytest.raises(UserError, match="needs a head"):
+        build_policy("learned")
+    with pytest.raises(UserError, match="bad parameter"):
+        build_policy("svip", {"hh": 1})
+    with pytest.raises(UserError, match="not found"):
+        build_policy("learned:/nonexistent/head.ckpt")
