@@ -43,6 +43,9 @@ def settings(cfg: DictConfig) -> dict:
     }
     if s["batch_size"] < 1 or s["prompts_per_shard"] < 1:
         raise UserError("batch_size and prompts_per_shard must be >= 1")
+    if s["overwrite"] and s["num_shards"] > 1:
+        raise UserError("overwrite=true with num_shards > 1 would let shard jobs delete each other's work; "
+                        "delete the old trace folder once, then launch the jobs without overwrite")
     if not 0 <= s["shard_id"] < s["num_shards"]:
         raise UserError(f"shard_id={s['shard_id']} must be in [0, num_shards={s['num_shards']})")
     if s["prompt_overflow"] not in OVERFLOW:
@@ -174,8 +177,8 @@ def generate(cfg: DictConfig, split: str, pair=None) -> Path:
         if folder.exists() and s["overwrite"]:
             shutil.rmtree(folder)
         elif folder.exists() and any(folder.iterdir()):
-            # a folder without our manifest (or a changed config under overwrite=false was handled above)
-            leftovers = [p for p in folder.iterdir() if not p.name.startswith(".tmp-")]
+            # a folder without our manifest; dot-files may be another shard job's manifest being written right now
+            leftovers = [p for p in folder.iterdir() if not p.name.startswith(".")]
             if leftovers:
                 raise UserError(f"{folder} exists without a valid manifest; remove it or rerun with overwrite=true")
         folder.mkdir(parents=True, exist_ok=True)
@@ -204,9 +207,10 @@ def generate(cfg: DictConfig, split: str, pair=None) -> Path:
         }
         store.write_json_atomic(folder / store.MANIFEST, manifest)
         shards = {}
-    mine = [g for g in range(n_planned) if g % s["num_shards"] == s["shard_id"] and g not in shards]
-    if shards and mine:
-        print(f"resuming {folder}: {len(shards)} of {n_planned} shards already done", flush=True)
+    assigned = [g for g in range(n_planned) if g % s["num_shards"] == s["shard_id"]]
+    mine = [g for g in assigned if g not in shards]
+    if mine and len(mine) < len(assigned):
+        print(f"resuming {folder}: {len(assigned) - len(mine)} of this job's {len(assigned)} shards already done", flush=True)
     positions, start = 0, time.perf_counter()
     bar = tqdm(total=sum(len(items[g * pps : (g + 1) * pps]) for g in mine), unit="prompt", desc=f"data_gen {split}",
                disable=not s["progress"], dynamic_ncols=True)

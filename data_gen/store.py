@@ -119,14 +119,12 @@ def read_manifest(folder: Path) -> dict | None:
 
 
 def check_writable(root: Path) -> None:
-    """Refuse an unwritable trace root before any work (one line, nothing written)."""
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        probe = root / f".write-probe-{uuid.uuid4().hex[:8]}"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as err:
-        raise UserError(f"trace_root {root} is not writable ({err.strerror or err}); pass trace_root=<a writable dir>") from None
+    """Refuse an unwritable trace root before any work, creating nothing: the nearest existing ancestor decides."""
+    probe = Path(os.path.abspath(os.path.expanduser(str(root))))
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
+        raise UserError(f"trace_root {root} is not writable ({probe} is not a writable directory); pass trace_root=<a writable dir>")
 
 
 def shard_name(index: int) -> str:

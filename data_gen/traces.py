@@ -143,14 +143,16 @@ def rollout(pair, items: list[Item], trace_cfg, step_draft: bool) -> Rollout:
                 d_tok = sample_inverse_cdf(draft_probs(d_logits, temperature, top_p), u[:, 2])
             else:
                 d_tok = d_logits.argmax(-1)
+        t_list = t_tok.tolist()  # one device sync per step, not one per row
+        d_list = d_tok.tolist() if step_draft else None
         chosen = []
         for i, it in enumerate(items):
             if it.kind == "prompt":
                 tok = it.forced[step] if step < len(it.forced) else pad_id
             elif it.kind == "draft" or (it.kind == "mixed" and float(u[i, 0]) < mix_share):
-                tok = int(d_tok[i])
+                tok = d_list[i]
             else:
-                tok = int(t_tok[i])
+                tok = t_list[i]
             chosen.append(tok)
             if not done[i]:
                 tokens[i].append(tok)

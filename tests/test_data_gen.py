@@ -162,3 +162,22 @@ def test_overflow_is_counted_and_corrupt_shard_is_named(tmp_path, tiny_pair, cap
     (folder / "gone").rename(folder / ".tmp-shard-00002-x")
     with pytest.raises(UserError, match="corrupt trace shard .*shard-00001.*delete"):
         generate(cfg, "train", tiny_pair)
+
+
+@pytest.mark.parametrize("trace", ["target_ar", "interleaved"])
+def test_draft_equal_to_target_gives_full_acceptance(tmp_path, tiny_cfg, trace):
+    """A draft made of all the target's layers is the target: TVD 0, q(x) = p(x), greedy drafts always match.
+
+    An off-by-one between the continuation and the positions q/p are read at would break all three."""
+    from omegaconf import OmegaConf
+
+    from models.pair import load_pair
+
+    pair = load_pair(OmegaConf.merge(tiny_cfg, {"draft": {"layers": [0, 1, 2, 3]}}))
+    cfg = make_cfg(tmp_path, f"trace={trace}", "limit=4", "pair.draft.layers=[0,1,2,3]")
+    r, manifest = rows(generate(cfg, "train", pair))
+    np.testing.assert_allclose(r["tvd"], 0, atol=1e-5)
+    np.testing.assert_allclose(r["q_draft"], r["p_draft"], atol=1e-5)
+    assert manifest["mean_acceptance"] > 0.9999
+    if trace == "target_ar":
+        np.testing.assert_array_equal(r["draft_token"], r["target_token"])
