@@ -188,3 +188,23 @@ def test_cli_unknown_experiment_one_line(cli):
     assert res.returncode == 2
     assert res.stderr.strip().count("\n") == 0
     assert "unknown experiment 'no_such_experiment'" in res.stderr and "disco_mbpp" in res.stderr
+
+
+def test_sprinter_on_tiny_interleaved_traces(tmp_path, tiny_pair):
+    """Real data_gen traces (interleaved, hidden states stored) → SPRINTER head; the spec's d is the draft's hidden size."""
+    from data_gen.run import generate
+    from train.__main__ import load_traces, split_cfg
+
+    cfg = cfg_for("+experiment=smoke", "trace=interleaved", "model=sprinter", "labels=ratio", "labels.tau=1.5",
+                  "trainer=fast_dev_run", "logger=none", f"trace_root={tmp_path / 'traces'}", "trace.max_new_tokens=12",
+                  "split_limits.train=4", "split_limits.validation=2", "split_limits.test=2")
+    with open_dict(cfg):
+        cfg.progress = False
+    for split in ("train", "validation", "test"):
+        generate(split_cfg(cfg, split), split, tiny_pair)
+    traces, manifests = load_traces(cfg)  # complete folders are reused without loading the pair
+    res = run(cfg, tmp_path / "run", traces, manifests)
+    bundle = load_head(res["ckpt_path"])
+    assert bundle.spec.kind == "hidden" and bundle.spec.d == tiny_pair.draft.config.hidden_size
+    assert bundle.tokenizer_hash == tiny_pair.tokenizer_hash
+    bundle.check_pair(tiny_pair)
