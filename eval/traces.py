@@ -178,16 +178,17 @@ def trace_statistics(ds, labels_cfg: DictConfig | None = None, svip_c: float = 0
     return {"stats": out, "raw": raw}
 
 
-def speedup_prediction(stats: dict, temperature: float, c: float, max_gamma: int = 10) -> dict:
-    """Item 4 on these traces: α measured here (greedy match rate at T = 0, else mean 1 − TVD), c given (decode
-    measures it), predicted speedup per constant γ from both models in eval.theory, and Leviathan's best γ."""
+def speedup_prediction(stats: dict, sampled: bool, c: float, max_gamma: int = 10) -> dict:
+    """Item 4 on these traces: α measured here, c given (decode measures it), predicted speedup per constant γ from
+    both models in eval.theory, and Leviathan's best γ. α = the greedy match rate for greedy target_ar traces (greedy
+    verification), else mean 1 − TVD (exact sampling's acceptance; interleaved traces draw x ~ q)."""
     from eval import theory
 
     b = stats["entropy_binned"]
     if not b.get("count"):
         return {}
     w = np.asarray(b["count"], dtype=float)
-    key = "greedy match" if temperature == 0 else "1-TVD"
+    key = "1-TVD" if sampled else "greedy match"
     alpha = float(np.dot(w, b[key]) / w.sum())
     g, f = theory.best_gamma(alpha, c)
     return {"alpha": alpha, "alpha_from": key, "c": c, "best_gamma": g, "best_speedup": f,
@@ -294,7 +295,8 @@ def run(cfg: DictConfig) -> dict:
     stats["traces"] = str(folder)
     stats["pair_id"] = manifest.get("pair_id")
     stats["temperature"] = manifest.get("temperature")
-    stats["speedup_prediction"] = speedup_prediction(stats, float(manifest.get("temperature") or 0.0), float(cfg.cost_ratio))
+    sampled = manifest.get("trace_kind") == "interleaved" or float(manifest.get("temperature") or 0.0) > 0
+    stats["speedup_prediction"] = speedup_prediction(stats, sampled, float(cfg.cost_ratio))
     out = output_dir(cfg)
     out.mkdir(parents=True, exist_ok=True)
     written = write_plots(result, out)
