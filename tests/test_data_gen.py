@@ -27,7 +27,8 @@ def make_cfg(tmp_path, *overrides):
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         return compose(
             "data_gen",
-            ["pair=tiny_random", "dataset=mbpp", f"trace_root={tmp_path}", "progress=false", "trace.max_new_tokens=8",
+            [*(["pair=tiny_random"] if not any(o.startswith("pair=") for o in overrides) else []),
+             "dataset=mbpp", f"trace_root={tmp_path}", "progress=false", "trace.max_new_tokens=8",
              "max_prompt_tokens=40", *overrides],
         )
 
@@ -52,10 +53,11 @@ def assert_same_rows(a, b, atol=ATOL):
 
 @pytest.mark.parametrize(
     "trace, extra",
-    [("target_ar", []), ("target_ar", ["trace.temperature=0.8", "trace.store_hidden=true"]), ("interleaved", ["trace.temperature=0.7"])],
+    [("target_ar", ["trace.store_hidden=true"]), ("interleaved", ["trace.temperature=0.7"])],
 )
 def test_batch8_equals_batch1(tmp_path, tiny_pair, trace, extra):
-    common = [f"trace={trace}", "limit=8", "prompts_per_shard=8", *extra]
+    # 6 untruncated prompts of different lengths (char tokens): one left-padded batch vs six unpadded batches of 1
+    common = [f"trace={trace}", "limit=6", "prompts_per_shard=8", "max_prompt_tokens=null", *extra]
     a = generate(make_cfg(tmp_path / "b8", "batch_size=8", *common), "train", tiny_pair)
     b = generate(make_cfg(tmp_path / "b1", "batch_size=1", *common), "train", tiny_pair)
     ra, ma = rows(a)
@@ -77,7 +79,7 @@ def test_batch8_equals_batch1(tmp_path, tiny_pair, trace, extra):
 
 
 def test_p_from_generation_equals_teacher_forced(tmp_path, tiny_pair):
-    common = ["trace=target_ar", "limit=4", "batch_size=4"]
+    common = ["trace=target_ar", "limit=4", "batch_size=4", "max_prompt_tokens=null"]  # unequal lengths: padding
     a = generate(make_cfg(tmp_path / "gen", *common), "train", tiny_pair)
     b = generate(make_cfg(tmp_path / "tf", *common, "trace.p_source=teacher_forced"), "train", tiny_pair)
     ra, _ = rows(a)
@@ -87,26 +89,26 @@ def test_p_from_generation_equals_teacher_forced(tmp_path, tiny_pair):
 
 def test_sigkill_then_rerun_gives_the_uninterrupted_rows(tmp_path, tiny_pair, cli):
     args = ["data_gen", "pair=tiny_random", "dataset=mbpp", "trace=target_ar", "split=train", "limit=40",
-            "prompts_per_shard=5", "batch_size=5", "trace.max_new_tokens=6", "max_prompt_tokens=24", f"trace_root={tmp_path / 'killed'}",
+            "prompts_per_shard=8", "batch_size=8", "trace.max_new_tokens=4", "max_prompt_tokens=16", f"trace_root={tmp_path / 'killed'}",
             "progress=false"]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", *args], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    kw = ["trace=target_ar", "limit=40", "prompts_per_shard=5", "trace.max_new_tokens=6", "max_prompt_tokens=24"]
+    kw = ["trace=target_ar", "limit=40", "prompts_per_shard=8", "trace.max_new_tokens=4", "max_prompt_tokens=16"]
     folder = trace_folder(make_cfg(tmp_path / "killed", *kw), "train")
     deadline = time.time() + 120
-    while not (folder / "shard-00001").exists() and proc.poll() is None and time.time() < deadline:
+    while not (folder / "shard-00000").exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.02)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     done = sorted(p.name for p in folder.glob("shard-*"))
-    assert 1 <= len(done) < 8, f"the kill should land mid-run, found {done}"
+    assert 1 <= len(done) < 5, f"the kill should land mid-run, found {done}"
     with pytest.raises(UserError, match="incomplete"):
         load_traces(folder)
     again = cli(*args)
     assert again.returncode == 0, again.stderr
     assert "resuming" in again.stdout
     assert not list(folder.glob(".tmp-*"))
-    ref = generate(make_cfg(tmp_path / "clean", *kw, "batch_size=8"), "train", tiny_pair)
+    ref = generate(make_cfg(tmp_path / "clean", *kw, "batch_size=5"), "train", tiny_pair)
     ra, ma = rows(folder)
     rb, mb = rows(ref)
     assert_same_rows(ra, rb)
@@ -181,3 +183,18 @@ def test_draft_equal_to_target_gives_full_acceptance(tmp_path, tiny_cfg, trace):
     assert manifest["mean_acceptance"] > 0.9999
     if trace == "target_ar":
         np.testing.assert_array_equal(r["draft_token"], r["target_token"])
+
+
+@pytest.mark.real
+def test_real_pair_interleaved_rows(tmp_path):
+    """The packaged SmolLM2 pair (bf16, padded-vocab slicing, chat template): rows and hidden states are well formed."""
+    cfg = make_cfg(tmp_path, "pair=smollm2_135m", "trace=interleaved", "split=test", "limit=4", "batch_size=4",
+                   "trace.max_new_tokens=4", "max_prompt_tokens=null")
+    folder = generate(cfg, "test", None)
+    r, manifest = rows(folder)
+    assert manifest["hidden_size"] == 576 == r["draft_hidden"].shape[1]
+    assert load_traces(folder)[0].features["draft_hidden"].feature.dtype == "float16"  # stored fp16
+    assert sorted(set(r["kind"])) == ["draft", "mixed", "prompt", "target"]
+    assert (r["draft_token"] < manifest["vocab_size"]).all() and (r["target_token"] < manifest["vocab_size"]).all()
+    assert np.isfinite(r["draft_hidden"].astype(np.float32)).all() and ((r["tvd"] >= 0) & (r["tvd"] <= 1 + 1e-5)).all()
+    np.testing.assert_allclose(r["draft_topk"].sum(-1), np.minimum(1, r["draft_topk"].sum(-1)), atol=1e-4)
