@@ -327,8 +327,7 @@ def build_policy(spec: str, params: dict | None = None, pair=None, ckpt: str | N
         bundle = load_head(Path(path))
         if pair is not None:
             bundle.check_pair(pair)
-        if name == "sprinter" and bundle.spec.kind != "hidden":
-            pass  # any head can act as a verifier; SPRINTER's own reads the hidden state
+            bundle.head.to(pair.device)  # features stay on the models' device: no copy per drafted token
         try:
             return cls(bundle, **params)
         except TypeError as err:
