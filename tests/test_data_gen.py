@@ -90,7 +90,7 @@ def test_p_from_generation_equals_teacher_forced(tmp_path, tiny_pair):
 def test_sigkill_then_rerun_gives_the_uninterrupted_rows(tmp_path, tiny_pair, cli):
     args = ["data_gen", "pair=tiny_random", "dataset=mbpp", "trace=target_ar", "split=train", "limit=40",
             "prompts_per_shard=8", "batch_size=8", "trace.max_new_tokens=4", "max_prompt_tokens=16", f"trace_root={tmp_path / 'killed'}",
-            "progress=false"]
+            "progress=false", f"log_dir={tmp_path / 'logs'}"]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", *args], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     kw = ["trace=target_ar", "limit=40", "prompts_per_shard=8", "trace.max_new_tokens=4", "max_prompt_tokens=16"]
@@ -137,12 +137,13 @@ def _one_error_line(proc):
 
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, cli, tiny_pair):
     root = tmp_path / "root"
-    base = ["data_gen", "pair=tiny_random", f"trace_root={root}", "progress=false", "trace.max_new_tokens=8"]
+    base = ["data_gen", "pair=tiny_random", f"trace_root={root}", "progress=false", "trace.max_new_tokens=8",
+            f"log_dir={tmp_path / 'logs'}"]
     assert "unknown dataset" in _one_error_line(cli(*base, "dataset=nope"))
     assert "no split 'train'" in _one_error_line(cli(*base, "dataset=humaneval", "split=train"))
     blocker = tmp_path / "a_file"
     blocker.write_text("")
-    assert "not writable" in _one_error_line(cli(*base[:2], f"trace_root={blocker / 'sub'}", "limit=2"))
+    assert "not writable" in _one_error_line(cli(*base[:2], *base[3:], f"trace_root={blocker / 'sub'}", "limit=2"))
     # the same UserError path (one line via hydra_entry), checked in-process to keep the suite fast
     with pytest.raises(UserError, match="no prompts"):
         generate(make_cfg(root, "limit=0"), "train", tiny_pair)
