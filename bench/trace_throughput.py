@@ -1,6 +1,6 @@
 """Trace throughput: positions labelled per second by data_gen vs the bare cost of the same model work.
 
-    python bench/trace_throughput.py [pair=smollm2_135m] [prompts=8] [max_new_tokens=32] [batch_size=8] [repeats=2] [threads=0]
+    python bench/trace_throughput.py [pair=smollm2_135m] [prompts=8] [max_new_tokens=32] [batch_size=8] [repeats=3] [threads=0]
 
 "Ours" is `data_gen.run.generate` end to end (prompt prep, batched target generation with KV cache, the teacher-forced
 draft pass, statistics, Arrow shard + manifest writes) into a temporary trace root. "Bare" is the least work that
@@ -35,7 +35,7 @@ BAR = 0.8
 
 
 def args() -> dict:
-    out = {"pair": "smollm2_135m", "prompts": 8, "max_new_tokens": 32, "batch_size": 8, "repeats": 2, "split": "test", "threads": 0}
+    out = {"pair": "smollm2_135m", "prompts": 8, "max_new_tokens": 32, "batch_size": 8, "repeats": 3, "split": "test", "threads": 0}
     for a in sys.argv[1:]:
         k, v = a.split("=", 1)
         out[k] = type(out[k])(v) if k in out else v
@@ -89,7 +89,8 @@ def main() -> None:
     texts = [render(p, pair.tokenizer, pair.chat_template) for p in prompts]
     ours, bare = [], []
     with tempfile.TemporaryDirectory() as tmp:
-        run_bare(pair, texts[:2], 4, 2)  # warm-up (allocator, kernels)
+        run_bare(pair, texts[:2], 4, 2)  # warm-up both paths (allocator, kernels, lazy imports)
+        run_ours(cfg_for(dict(a, prompts=2, max_new_tokens=4, batch_size=2), f"{tmp}/warm"), pair, a["split"])
         for r in range(a["repeats"]):
             bare.append(run_bare(pair, texts, a["max_new_tokens"], a["batch_size"]))
             ours.append(run_ours(cfg_for(a, f"{tmp}/r{r}"), pair, a["split"]))

@@ -156,6 +156,9 @@ def generate(cfg: DictConfig, split: str, pair=None) -> Path:
             print(f"reusing complete {_summary_line(folder, manifest)}", flush=True)
             return folder
     store.check_writable(folder.parent)
+    resuming = manifest is not None and manifest.get("config_hash") == chash
+    # a corrupt shard is named before the (slow) model load and before any write
+    shards = store.existing_shards(folder, full=True) if resuming else {}
     if pair is None:
         from models.pair import load_pair
 
@@ -169,8 +172,12 @@ def generate(cfg: DictConfig, split: str, pair=None) -> Path:
         print(f"note: {note}", flush=True)
     pps = s["prompts_per_shard"]
     n_planned = math.ceil(len(items) / pps)
-    if manifest is not None and manifest.get("config_hash") == chash:
-        shards = store.existing_shards(folder, full=True)  # corrupt shard → one line naming it, before any write
+    if resuming:
+        if manifest.get("tokenizer_hash") != pair.tokenizer_hash:
+            raise UserError(
+                f"traces at {folder} were made with tokenizer {manifest.get('tokenizer_hash')} but pair {pair.name} now has "
+                f"{pair.tokenizer_hash}; rerun with overwrite=true to regenerate them"
+            )
         if manifest.get("num_shards_planned") != n_planned:
             raise UserError(f"{folder} plans {manifest.get('num_shards_planned')} shards but this run {n_planned}; rerun with overwrite=true")
     else:
@@ -206,7 +213,6 @@ def generate(cfg: DictConfig, split: str, pair=None) -> Path:
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
         store.write_json_atomic(folder / store.MANIFEST, manifest)
-        shards = {}
     assigned = [g for g in range(n_planned) if g % s["num_shards"] == s["shard_id"]]
     mine = [g for g in assigned if g not in shards]
     if mine and len(mine) < len(assigned):

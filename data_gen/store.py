@@ -13,6 +13,7 @@ decides whether an existing folder is reused; a different config is refused (`ov
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -85,6 +86,7 @@ def config_hash(cfg: DictConfig) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
+@functools.lru_cache(maxsize=1)
 def code_version() -> str:
     """The git commit of this checkout (with `+dirty` when data_gen/ or models/ have local edits), else `unknown`."""
     try:
@@ -180,7 +182,8 @@ def write_shard(folder: Path, index: int, rows: list[dict], topk: int, hidden: i
     tmp = folder / f".tmp-{shard_name(index)}-{uuid.uuid4().hex[:8]}"
     import datasets
 
-    ds = Dataset(_table(rows, topk, hidden))
+    table = _table(rows, topk, hidden)
+    ds = Dataset(table)
     bars = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()  # our own bar is the one to watch
     try:
@@ -193,6 +196,9 @@ def write_shard(folder: Path, index: int, rows: list[dict], topk: int, hidden: i
         "shard": index,
         "rows": ds.num_rows,
         "prompt_ids": [r["prompt_id"] for r in rows],
+        # summary sums, so finalizing a folder never re-reads its shards
+        "sum_acceptance": float((1.0 - table.column("tvd").to_numpy().astype(np.float64)).sum()),
+        "greedy_matches": int((table.column("draft_token").to_numpy() == table.column("target_token").to_numpy()).sum()),
         "files": {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in arrows},
         "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         **extra,
@@ -234,11 +240,18 @@ def existing_shards(folder: Path, full: bool = True) -> dict[int, dict]:
 
 
 def shard_stats(folder: Path, shards: dict[int, dict]) -> dict:
-    """Rows and acceptance statistics over the given shards (read from the Arrow files, memory-mapped)."""
+    """Rows and acceptance statistics over the given shards (from their metas; older shards are read back)."""
     from datasets import load_from_disk
 
     rows, acc, match, prompts = 0, 0.0, 0.0, 0
     for index in sorted(shards):
+        meta = shards[index]
+        if "sum_acceptance" in meta:
+            rows += int(meta["rows"])
+            acc += float(meta["sum_acceptance"])
+            match += float(meta["greedy_matches"])
+            prompts += len(meta.get("prompt_ids", []))
+            continue
         ds = load_from_disk(str(Path(folder) / shard_name(index))).with_format("numpy", columns=["tvd", "draft_token", "target_token"])
         if ds.num_rows:
             cols = ds[:]
