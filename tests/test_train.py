@@ -208,3 +208,13 @@ def test_sprinter_on_tiny_interleaved_traces(tmp_path, tiny_pair):
     assert bundle.spec.kind == "hidden" and bundle.spec.d == tiny_pair.draft.config.hidden_size
     assert bundle.tokenizer_hash == tiny_pair.tokenizer_hash
     bundle.check_pair(tiny_pair)
+
+
+def test_trace_dirs_from_another_pair_refused_before_generation(smoke_traces):
+    """`trace_dirs.train=DIR` holding another pair's traces: one UserError before anything is generated."""
+    from train.__main__ import load_traces
+
+    folder = next(smoke_traces.glob("tiny_random--*--train-*"))
+    cfg = cfg_for("pair=smollm2_135m", f"trace_dirs.train={folder}", f"trace_root={smoke_traces}")
+    with pytest.raises(UserError, match="made with pair tiny_random but this run's config says pair=smollm2_135m"):
+        load_traces(cfg)

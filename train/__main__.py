@@ -68,6 +68,7 @@ def load_traces(cfg: DictConfig) -> tuple[dict, dict]:
     for split in SPLITS:
         if explicit.get(split):
             traces[split], manifests[split] = store.load_traces(Path(str(explicit[split])))
+            check_pair_id(cfg, split, manifests[split])  # before any generation for the other splits
             continue
         scfg = split_cfg(cfg, split)
         folder = store.trace_folder(scfg, split)
@@ -85,16 +86,19 @@ def load_traces(cfg: DictConfig) -> tuple[dict, dict]:
     return traces, manifests
 
 
+def check_pair_id(cfg: DictConfig, split: str, manifest: dict) -> None:
+    want, got = str(cfg.pair.name), str(manifest.get("pair_id"))
+    if got != want:
+        raise UserError(
+            f"the {split} traces were made with pair {got} but this run's config says pair={want}; "
+            f"use pair={got} or regenerate the traces for {want}"
+        )
+
+
 def check_manifests(cfg: DictConfig, manifests: dict) -> dict:
     """Refuse traces from another pair (or mixed pairs); return the train manifest."""
-    want = str(cfg.pair.name)
     for split, man in manifests.items():
-        got = str(man.get("pair_id"))
-        if got != want:
-            raise UserError(
-                f"the {split} traces were made with pair {got} but this run's config says pair={want}; "
-                f"use pair={got} or regenerate the traces for {want}"
-            )
+        check_pair_id(cfg, split, man)
     hashes = {str(m.get("tokenizer_hash")) for m in manifests.values()}
     if len(hashes) > 1:
         raise UserError(f"trace splits disagree on the tokenizer ({sorted(hashes)}); regenerate them with one pair")
