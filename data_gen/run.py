@@ -124,6 +124,9 @@ def prepare_items(cfg: DictConfig, pair, prompts, s: dict) -> tuple[list[Item], 
 
 def _summary_line(folder: Path, m: dict, seconds: float | None = None, positions: int | None = None) -> str:
     rate = f", {positions / seconds:.1f} positions/s over {seconds:.1f}s" if seconds and positions else ""
+    kinds = m.get("kind_rows") or {}
+    if len(kinds) > 1:
+        rate += " (rows per kind: " + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items())) + ")"
     return (
         f"traces {folder}: {m.get('rows')} rows from {m.get('prompts')} prompts; mean acceptance Σmin(p,q) = 1−TVD "
         f"{m.get('mean_acceptance', float('nan')):.4f}, greedy match rate {m.get('greedy_match_rate', float('nan')):.4f}{rate}"

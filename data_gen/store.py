@@ -198,6 +198,7 @@ def write_shard(folder: Path, index: int, rows: list[dict], topk: int, hidden: i
         "prompt_ids": [r["prompt_id"] for r in rows],
         # summary sums, so finalizing a folder never re-reads its shards
         "sum_acceptance": float((1.0 - table.column("tvd").to_numpy().astype(np.float64)).sum()),
+        "kind_rows": {k: int(v) for k, v in zip(*np.unique(table.column("kind").to_numpy(zero_copy_only=False), return_counts=True))},
         "greedy_matches": int((table.column("draft_token").to_numpy() == table.column("target_token").to_numpy()).sum()),
         "files": {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in arrows},
         "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -272,6 +273,11 @@ def finalize(folder: Path, manifest: dict, shards: dict[int, dict]) -> dict:
     stats = shard_stats(folder, shards)
     manifest = dict(manifest, complete=True, **stats)
     manifest["shard_rows"] = {shard_name(i): shards[i]["rows"] for i in sorted(shards)}
+    kinds: dict[str, int] = {}
+    for meta in shards.values():
+        for kind, n in (meta.get("kind_rows") or {}).items():
+            kinds[kind] = kinds.get(kind, 0) + int(n)
+    manifest["kind_rows"] = kinds  # interleaved: rows per context kind (prompts are split in equal shares)
     write_json_atomic(Path(folder) / MANIFEST, manifest)
     return manifest
 
