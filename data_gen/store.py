@@ -32,7 +32,7 @@ FORMAT_VERSION = 1
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MANIFEST = "manifest.json"
 SHARD_META = "shard.json"
-SCALARS = ("q_draft", "p_draft", "tvd", "draft_entropy", "target_entropy")
+SCALARS = ("q_draft", "p_draft", "tvd", "draft_entropy", "target_entropy", "cross_entropy")
 
 
 # ------------------------------------------------------------------------------------------------------ naming

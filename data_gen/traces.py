@@ -198,6 +198,8 @@ def position_stats(q_logits, p_logits, x, temperature: float, top_p: float, k: i
         "tvd": 0.5 * (p - q).abs().sum(-1),
         "draft_entropy": entropy(q),
         "target_entropy": entropy(p),
+        # H_{q,p} = −Σ q log p (nats): SVIP Fig. 3's ratio H_qp/H_q and the Pinsker bound via KL(q‖p) = H_qp − H_q
+        "cross_entropy": -(q * torch.log(p.clamp_min(1e-30))).sum(-1),
         "draft_topk": topk_probs(q, k),
     }
 

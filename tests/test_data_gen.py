@@ -20,7 +20,7 @@ from utils.cli import UserError
 
 # Batched matmuls round differently from batch-1 ones; fp32 tiny models stay far inside this.
 ATOL = 1e-5
-FLOATS = ("q_draft", "p_draft", "tvd", "draft_entropy", "target_entropy")
+FLOATS = ("q_draft", "p_draft", "tvd", "draft_entropy", "target_entropy", "cross_entropy")
 
 
 def make_cfg(tmp_path, *overrides):
@@ -76,6 +76,8 @@ def test_batch8_equals_batch1(tmp_path, tiny_pair, trace, extra):
     # statistics are internally consistent: q(x) ≤ top-1 of q, 0 ≤ tvd ≤ 1
     assert (ra["q_draft"] <= ra["draft_topk"][:, 0] + 1e-6).all()
     assert ((ra["tvd"] >= -1e-6) & (ra["tvd"] <= 1 + 1e-6)).all()
+    # Gibbs: H_{q,p} ≥ H_q (KL(q‖p) ≥ 0)
+    assert (ra["cross_entropy"] >= ra["draft_entropy"] - 1e-4).all()
 
 
 def test_p_from_generation_equals_teacher_forced(tmp_path, tiny_pair):
@@ -181,6 +183,8 @@ def test_draft_equal_to_target_gives_full_acceptance(tmp_path, tiny_cfg, trace):
     r, manifest = rows(generate(cfg, "train", pair))
     np.testing.assert_allclose(r["tvd"], 0, atol=1e-5)
     np.testing.assert_allclose(r["q_draft"], r["p_draft"], atol=1e-5)
+    # q = p ⇒ H_{q,p} = H_q (KL(q‖p) = 0)
+    np.testing.assert_allclose(r["cross_entropy"], r["draft_entropy"], atol=1e-4)
     assert manifest["mean_acceptance"] > 0.9999
     if trace == "target_ar":
         np.testing.assert_array_equal(r["draft_token"], r["target_token"])

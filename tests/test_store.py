@@ -21,7 +21,8 @@ def fake_rows(n_prompts=2, n=3, k=10, d=4):
             "prompt_id": f"p{i}", "split": "train", "kind": "target_ar", "n": n,
             "position": np.arange(n, dtype=np.int32), "draft_token": np.arange(n), "target_token": np.arange(n) % 2,
             "q_draft": topk[:, 0], "p_draft": topk[:, 1], "tvd": np.full(n, 0.25, np.float32),
-            "draft_entropy": np.ones(n, np.float32), "target_entropy": np.ones(n, np.float32), "draft_topk": topk,
+            "draft_entropy": np.ones(n, np.float32), "target_entropy": np.ones(n, np.float32),
+            "cross_entropy": np.full(n, 1.5, np.float32), "draft_topk": topk,
             "draft_hidden": rng.standard_normal((n, d)).astype(np.float16),
         })
     return out
