@@ -26,7 +26,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from data_gen.prompts import load_prompts  # noqa: E402
-from decode.loop import speculative  # noqa: E402
+from decode.loop import autoregressive, speculative  # noqa: E402
+from decode.metrics import agreement  # noqa: E402
 from decode.policies import Constant  # noqa: E402
 from decode.runner import eos_ids, tokenize_prompts  # noqa: E402
 from models.pair import load_pair  # noqa: E402
@@ -63,8 +64,12 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=1, help="timed passes over the prompts")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch CPU threads for both sides (1 is far faster on a busy shared CPU)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "decode_vs_transformers.json"))
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     pair = load_pair(args.pair)
     dataset = OmegaConf.load(REPO / "conf" / "dataset" / f"{args.dataset}.yaml")
@@ -79,8 +84,9 @@ def main() -> None:
     gc.num_assistant_tokens_schedule = "constant"
     gc.assistant_confidence_threshold = 0.0
 
-    hf_assisted(pair, assistant, ids[0], 8, eos)  # warm-up both
-    ours(pair, ids[0], args.k, 8, eos)
+    warm = min(args.max_new_tokens, 32)  # warm-up both over a realistic length (cache growth, kernel choice)
+    hf_assisted(pair, assistant, ids[0], warm, eos)
+    ours(pair, ids[0], args.k, warm, eos)
     rows, ours_s, hf_s, match = [], 0.0, 0.0, True
     for rep in range(args.repeats):
         for p, x in zip(prompts, ids):
@@ -96,9 +102,22 @@ def main() -> None:
             ours_s += s_o
             hf_s += s_h
             rows.append({"prompt_id": p.prompt_id, "repeat": rep, "ours_s": s_o, "transformers_s": s_h,
-                         "ours_tokens": len(t_o), "transformers_tokens": len(t_h), "match": same})
+                         "ours_tokens": len(t_o), "transformers_tokens": len(t_h), "match": same,
+                         "first_divergence": None if same else agreement(t_o, t_h)["prefix_match"],
+                         "_ours": t_o, "_hf": t_h})
             print(f"{p.prompt_id}: ours {s_o:.3f}s ({len(t_o)} tok)  transformers {s_h:.3f}s ({len(t_h)} tok)  "
                   f"match={same}", flush=True)
+    # untimed: where the two disagree, which one equals plain greedy decoding? (bf16 near-ties can flip an argmax
+    # when the same positions are computed in differently shaped passes; each side is compared with its own
+    # target-only decoding: ours = decode.loop.autoregressive, transformers = target.generate without assistant)
+    for row, x in zip(rows, ids * args.repeats):
+        t_o, t_h = row.pop("_ours"), row.pop("_hf")
+        if row["match"] or row["repeat"]:
+            continue
+        ar = autoregressive(pair, x, args.max_new_tokens, eos=eos).tokens
+        plain, _ = hf_assisted(pair, None, x, args.max_new_tokens, eos)
+        row.update(ours_equals_own_target_only=t_o == ar, transformers_equals_own_target_only=t_h == plain,
+                   target_only_ours_vs_transformers_first_divergence=agreement(ar, plain)["prefix_match"])
     result = {
         "ours_s": ours_s,
         "transformers_s": hf_s,

@@ -12,7 +12,9 @@ of per-prompt speedups. Definitions:
 - cost_model_speedup = new tokens ÷ (target calls + c · draft calls): the speedup if a verification pass cost one
   target step — machine-independent given c;
 - policy_overhead_frac = time in the policy (should_stop + observe, features included) ÷ time in draft steps;
-- lossless (greedy, exact policies) = every output equals the target-only output token for token.
+- lossless (greedy, exact policies) = every output equals the target-only output token for token;
+  lossless_up_to_ties also accepts a divergence where the target's logits of the two tokens differ by < tie_tol
+  (default 0.25, about bf16's resolution at logit scale ~30), i.e. a near-tie flipped by low-precision numerics.
 SPRINTER adds target_calls_saved_frac (vs target-only), agreement with target-only output, ROUGE-L and an estimate of
 the TVD of the emitted tokens from the target (TVD(p, q) on unchecked tokens, 0 on checked ones, per token).
 """
@@ -87,7 +89,8 @@ def measured_c(draft_s: float, draft_calls: int, target_s: float, target_calls: 
     return (draft_s / draft_calls) / (target_s / target_calls)
 
 
-def summarize(rows: list[dict], target_rows: list[dict], c: float, greedy: bool, exact: bool) -> dict:
+def summarize(rows: list[dict], target_rows: list[dict], c: float, greedy: bool, exact: bool,
+              tie_tol: float = 0.25) -> dict:
     """One method's summary from its per-prompt rows and target-only rows on the same prompts."""
     tokens = sum(r["new_tokens"] for r in rows)
     wall = sum(r["wall_s"] for r in rows)
@@ -117,6 +120,9 @@ def summarize(rows: list[dict], target_rows: list[dict], c: float, greedy: bool,
         "policy_overhead_frac": policy_s / draft_s if draft_s > 0 else 0.0,
         "lossless": (all(r.get("matches_target", False) for r in rows) if exact else False) if greedy else None,
         "mismatched_prompts": sum(not r.get("matches_target", True) for r in rows),
+        # every mismatch a near tie (target logit margin < tie_tol at the first divergence): low-precision numerics
+        "lossless_up_to_ties": (all(r.get("matches_target", False) or r.get("divergence_margin", 1e9) < tie_tol
+                                    for r in rows) if exact else False) if greedy else None,
         "per_position_acceptance": [acc_pos[j] / verified[j] if verified[j] else None for j in range(last + 1)],
         "draft_length_hist": {str(k): v for k, v in sorted(Counter(k for k, _ in rounds).items())},
         "mean_draft_length": drafted / len(rounds) if rounds else 0.0,

@@ -264,7 +264,11 @@ def test_head_pair_mismatch(tmp_path, tiny_pair):
 
 @pytest.mark.real
 def test_real_mbpp_greedy_lossless_constant_and_svip():
-    """≥ 20 real MBPP prompts on the default pair: greedy constant and svip outputs equal target-only token for token."""
+    """≥ 20 real MBPP prompts on the default pair: greedy constant and svip outputs equal target-only token for token.
+
+    In float32: in bf16 the same position computed in a 1-token step and in a 6-token verify pass can differ in the
+    last bit and flip a near-tie argmax (3 of 40 runs here), which is numerics, not the algorithm.
+    """
     from omegaconf import OmegaConf
 
     from data_gen.prompts import load_prompts
@@ -272,8 +276,10 @@ def test_real_mbpp_greedy_lossless_constant_and_svip():
     from models.pair import load_pair
     from utils.cli import CONF_DIR
 
-    torch.set_num_threads(2)
-    pair = load_pair("smollm2_135m")
+    torch.set_num_threads(1)  # a busy shared CPU runs one thread per process best
+    cfg = OmegaConf.load(CONF_DIR / "pair" / "smollm2_135m.yaml")
+    cfg.dtype = "float32"
+    pair = load_pair(cfg)
     prompts = load_prompts(OmegaConf.load(CONF_DIR / "dataset" / "mbpp.yaml"), "test", 20)
     ids = tokenize_prompts(pair, prompts, 16)
     eos = eos_ids(pair)
