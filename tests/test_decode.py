@@ -291,3 +291,28 @@ def test_real_mbpp_greedy_lossless_constant_and_svip():
             if res.tokens != ref.tokens:
                 bad.append((p.prompt_id, name))
     assert len(prompts) == 20 and not bad, bad
+
+
+def test_tie_margin_of_a_divergence(tiny_pair):
+    """A greedy mismatch is diagnosed with the target's logit margin between the two tokens at the divergence."""
+    from decode.metrics import agreement, summarize
+    from decode.runner import tie_margins
+
+    ids = ids_of(tiny_pair, PROMPTS[0])
+    ref = autoregressive(tiny_pair, ids, 8).tokens
+    with torch.no_grad():
+        logits = tiny_pair.target(torch.tensor([ids + ref[:3]])).logits[0, -1, : tiny_pair.vocab_size]
+    second = int(logits.topk(2).indices[1])
+    other = ref[:3] + [second] + ref[4:]
+    rows = [{"method": "target", "prompt_id": "a", "tokens": ref},
+            {"method": "constant", "prompt_id": "a", "tokens": other, "matches_target": False,
+             **agreement(other, ref)}]
+    tie_margins(tiny_pair, rows, {"a": ids}, {"constant": build_policy("constant", {})})
+    margin = float(logits[ref[3]] - logits[second])
+    assert rows[1]["divergence_margin"] == pytest.approx(margin, abs=1e-4)
+    base = {"new_tokens": 8, "wall_s": 1.0, "target_calls": 4, "draft_calls": 8, "drafted": 8, "accepted": 4,
+            "draft_s": 0.1, "policy_s": 0.0, "rounds": [[2, 1]] * 4}
+    s = summarize([{**rows[1], **base}], [{**base, "draft_calls": 0}], 0.2, True, True, tie_tol=margin + 1)
+    assert s["lossless"] is False and s["lossless_up_to_ties"] is True
+    s = summarize([{**rows[1], **base}], [{**base, "draft_calls": 0}], 0.2, True, True, tie_tol=margin / 2)
+    assert s["lossless_up_to_ties"] is False
