@@ -1,7 +1,7 @@
 """THE speculative loop (batch 1): draft with a stop policy, verify with the target, roll both KV caches back exactly.
 
-Both models keep a `DynamicCache`. Prefill feeds the prompt minus its last token; that token is then "pending" for
-both models, so every target call has the same shape: [pending token, x_1..x_K] → p at K+1 positions. After a
+Both models keep a `DynamicCache`. The first call of each model runs the whole prompt; afterwards the last emitted
+token is "pending" for the target, so every target call is [pending, x_1..x_K] → p at K+1 positions. After a
 verification that kept n of K drafted tokens, `DynamicCache.crop(-m)` removes exactly the m rejected positions
 from each cache (target: K − n; draft: K − 1 − n, since the draft never ran on its own last token).
 
@@ -97,11 +97,6 @@ class _Clock:
         return time.perf_counter()
 
 
-def _prefill(lm: LM, cache, prompt_ids: list[int]) -> None:
-    if len(prompt_ids) > 1:
-        lm(prompt_ids[:-1], cache, last=0)
-
-
 def _eos_cut(tokens: list[int], eos: set[int]) -> tuple[list[int], bool]:
     for i, t in enumerate(tokens):
         if t in eos:
@@ -118,25 +113,26 @@ def autoregressive(pair, prompt_ids: list[int], max_new_tokens: int, temperature
     eos = eos or set()
     t0 = clock()
     cache = lm.new_cache()
-    _prefill(lm, cache, prompt_ids)
-    t1 = clock()
+    t1 = t0
     out: list[int] = []
-    pending = prompt_ids[-1]
+    pending = list(prompt_ids)  # the first call runs the whole prompt (the prefill), later calls one token
     res = GenResult(tokens=out)
     while len(out) < max_new_tokens:
-        logits, _ = lm([pending], cache, last=1)
+        logits, _ = lm(pending, cache, last=1)
         res.target_calls += 1
+        if res.target_calls == 1:
+            t1 = clock()
         if temperature and temperature > 0:
             tok = int(torch.multinomial(draft_probs(logits[0], temperature, top_p), 1, generator=generator))
         else:
             tok = int(logits[0].argmax())
         out.append(tok)
-        pending = tok
+        pending = [tok]
         if tok in eos:
             break
     t2 = clock()
     res.wall_s = t2 - t0
-    res.target_s = t2 - t1  # decode steps only: the per-step cost c is measured against
+    res.target_s = t2 - t1  # decode steps after the prefill call: the per-step cost c is measured against
     return res
 
 
@@ -157,12 +153,13 @@ def speculative(pair, prompt_ids: list[int], policy, max_new_tokens: int, temper
     t0 = clock()
     policy.reset(lookahead=lookahead)
     dcache, tcache = draft.new_cache(), target.new_cache()
-    _prefill(draft, dcache, prompt_ids)
-    _prefill(target, tcache, prompt_ids)
     out: list[int] = []
     res = GenResult(tokens=out)
-    d_pending = [prompt_ids[-1]]  # tokens the draft has not run on yet (1, or 2 after a fully accepted round)
-    t_pending = prompt_ids[-1]  # the token the target has not run on yet
+    # tokens each model has not run on yet: the whole prompt at first (the first calls are the prefills, shaped
+    # like transformers' generate, so low-precision numerics match plain decoding as closely as possible); then
+    # 1 token, or 2 for the draft after a fully accepted round
+    d_pending = list(prompt_ids)
+    t_pending = list(prompt_ids)
     draft_s = target_s = policy_s = 0.0
     done = False
     while not done and len(out) < max_new_tokens:
@@ -201,7 +198,7 @@ def speculative(pair, prompt_ids: list[int], policy, max_new_tokens: int, temper
         k = len(drafted)
 
         ts = now()
-        logits, _ = target([t_pending] + drafted, tcache, last=k + 1)
+        logits, _ = target(t_pending + drafted, tcache, last=k + 1)
         res.target_calls += 1
         if greedy and not approx:
             n, nxt = greedy_verify(logits.argmax(-1), torch.tensor(drafted, dtype=torch.long))
@@ -230,7 +227,7 @@ def speculative(pair, prompt_ids: list[int], policy, max_new_tokens: int, temper
             if k - 1 - n > 0:
                 dcache.crop(-(k - 1 - n))
             d_pending = [nxt]
-        t_pending = nxt
+        t_pending = [nxt]
 
         res.drafted += k
         res.accepted += n

@@ -163,7 +163,7 @@ def run_split(cfg: DictConfig, pair, split: str, methods: list[Method], desc: st
     draft_s = sum(r["draft_s"] for r in rows if r["method"] != "target")
     draft_calls = sum(r["draft_calls"] for r in rows if r["method"] != "target")
     c = metrics.measured_c(draft_s, draft_calls, sum(r["target_s"] for r in target_rows),
-                           sum(r["target_calls"] for r in target_rows))
+                           sum(r["target_calls"] - 1 for r in target_rows))  # target_s excludes the prefill call
     summary = {"target": metrics.target_summary(target_rows)}
     for m in methods:
         pol = policies[m.key]
