@@ -51,7 +51,11 @@ def agreement(out: list[int], ref: list[int]) -> dict:
 
 
 def rouge_l(candidate: str, reference: str) -> float:
+    import logging
+
     from rouge_score import rouge_scorer
+
+    logging.getLogger("absl").setLevel(logging.WARNING)  # rouge_score logs a line per scorer otherwise
 
     scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=False)
     return float(scorer.score(reference, candidate)["rougeL"].fmeasure)
