@@ -27,6 +27,7 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from utils.cli import UserError
+from utils.files import sha256_file
 
 FORMAT_VERSION = 1
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -165,14 +166,6 @@ def _table(rows: list[dict], topk: int, hidden: int):
     return pa.table(cols)
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def write_shard(folder: Path, index: int, rows: list[dict], topk: int, hidden: int, extra: dict) -> dict:
     """Write one shard atomically: save into a hidden temp dir, record checksums, then rename into place."""
     from datasets import Dataset
@@ -200,7 +193,7 @@ def write_shard(folder: Path, index: int, rows: list[dict], topk: int, hidden: i
         "sum_acceptance": float((1.0 - table.column("tvd").to_numpy().astype(np.float64)).sum()),
         "kind_rows": {k: int(v) for k, v in zip(*np.unique(table.column("kind").to_numpy(zero_copy_only=False), return_counts=True))},
         "greedy_matches": int((table.column("draft_token").to_numpy() == table.column("target_token").to_numpy()).sum()),
-        "files": {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in arrows},
+        "files": {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in arrows},
         "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         **extra,
     }
@@ -226,7 +219,7 @@ def check_shard(path: Path, full: bool = True) -> dict:
         raise UserError(f"corrupt trace shard {path} (missing or unreadable {SHARD_META}); {fix}") from None
     for name, info in files.items():
         f = path / name
-        if not f.is_file() or f.stat().st_size != info["bytes"] or (full and _sha256(f) != info["sha256"]):
+        if not f.is_file() or f.stat().st_size != info["bytes"] or (full and sha256_file(f) != info["sha256"]):
             raise UserError(f"corrupt trace shard {path} ({name} is missing or differs from its checksum); {fix}")
     return meta
 

