@@ -84,11 +84,6 @@ def sprinter_verify(
     return j + n, nxt
 
 
-def emitted_distribution_sprinter(p: torch.Tensor, q: torch.Tensor, eps: float) -> torch.Tensor:
-    """Theory for tests and reports: the law of one SPRINTER token when the verifier accepts w.p. ε regardless of x."""
-    return (1 - eps) * p + eps * q
-
-
 def tvd(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """Total variation distance ½Σ|p − q| along the last axis."""
     return 0.5 * (p - q).abs().sum(-1)

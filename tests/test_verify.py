@@ -13,7 +13,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from decode.verify import emitted_distribution_sprinter, greedy_verify, residual, sample_verify, sprinter_verify, tvd
+from eval.theory import sprinter_mixture
+from decode.verify import greedy_verify, residual, sample_verify, sprinter_verify, tvd
 
 P = torch.tensor([[0.50, 0.25, 0.15, 0.10], [0.10, 0.20, 0.30, 0.40], [0.25, 0.25, 0.25, 0.25]])
 Q = torch.tensor([[0.20, 0.40, 0.10, 0.30], [0.40, 0.30, 0.20, 0.10]])
@@ -68,7 +69,7 @@ def test_sprinter_emits_mixture_for_known_fpr(eps):
         accepted_by_verifier = bool(torch.rand(1, generator=g) < eps)
         n, nxt = sprinter_verify(P[:2], Q[:1], x, last_rejected=not accepted_by_verifier, greedy=False, generator=g)
         counts[x.item() if n == 1 else nxt] += 1
-    law = emitted_distribution_sprinter(P[0], Q[0], eps)
+    law = torch.from_numpy(sprinter_mixture(P[0].numpy(), Q[0].numpy(), eps))  # eval.theory: Theorem 1
     assert _chi2_ok(counts, law) > ALPHA
     if eps > 0:
         assert _chi2_ok(counts, P[0]) < ALPHA
