@@ -288,8 +288,10 @@ def leviathan_speedup(alpha: float, c: float, max_gamma: int = 32) -> dict:
 
 
 def describe(draft, target, pair: Pair, heldout, heldout_text, cost_ids, measure_cost: bool, cache=None) -> dict:
-    cont = acceptance(draft, target, heldout, pair.vocab_size, pair.device, cache)
-    text = acceptance(draft, target, heldout_text, pair.vocab_size, pair.device)
+    cont = acceptance(draft, target, heldout, pair.vocab_size, pair.device,
+                      None if cache is None else cache.setdefault("cont", {}))
+    text = acceptance(draft, target, heldout_text, pair.vocab_size, pair.device,
+                      None if cache is None else cache.setdefault("text", {}))
     row = {"heldout_sum_min": cont["sum_min"], "heldout_greedy_agree": cont["greedy_agree"],
            "heldout_text_sum_min": text["sum_min"], "heldout_tokens": cont["tokens"]}
     if measure_cost:
@@ -471,12 +473,14 @@ def distill(cfg: DictConfig) -> dict:
         torch.set_num_threads(int(cfg.threads))
     torch.manual_seed(int(cfg.seed))
     L, DistillModule, Snapshots = _lightning()
-    pair = load_pair(cfg.pair)
+    layers = [int(i) for i in cfg.student.layers]
+    pcfg = copy.deepcopy(cfg.pair)
+    pcfg.draft = OmegaConf.create({"source": "layer_subset", "layers": [0]})  # never needs the shipped student file
+    pair = load_pair(pcfg)
     target = pair.target
     for p in target.parameters():
         p.requires_grad_(False)
     n_layers = len(_decoder_parts(target).layers)
-    layers = [int(i) for i in cfg.student.layers]
     if not layers or any(not 0 <= i < n_layers for i in layers):
         raise UserError(f"student.layers={layers} must be indices of the target's {n_layers} layers, e.g. [0,1,2,3]")
     run_dir = _run_dir()
