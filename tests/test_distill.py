@@ -101,3 +101,21 @@ def test_distill_rejects_test_split_and_bad_layers(cli, tmp_path):
     assert res.returncode == 2 and "test split" in res.stderr
     res = cli("train.distill", "pair=tiny_random", "student.layers=[7]", f"hydra.run.dir={tmp_path / 'run'}")
     assert res.returncode == 2 and "student.layers" in res.stderr
+
+
+@pytest.mark.real
+def test_shipped_student_is_the_default_draft():
+    from models.pair import REPO_ROOT
+
+    cfg = OmegaConf.load(REPO_ROOT / "conf" / "pair" / "smollm2_135m.yaml")
+    weights = REPO_ROOT / cfg.draft.weights
+    assert cfg.draft.source == "student" and weights.stat().st_size <= 40 * 2**20
+    pair = load_pair(cfg)
+    assert pair.draft.student_info["layers"] == [0, 1, 2, 3]
+    assert pair.draft.lm_head is pair.target.lm_head
+    assert pair.draft.get_input_embeddings() is pair.target.get_input_embeddings()
+    ids = pair.tokenizer("def add(a, b):\n    return a + b\n", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        q = pair.draft(ids).logits[0, :, : pair.vocab_size].argmax(-1)
+        p = pair.target(ids).logits[0, :, : pair.vocab_size].argmax(-1)
+    assert (q == p).float().mean() > 0.3  # trained: the untrained layer subset agrees on almost nothing
