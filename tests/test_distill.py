@@ -114,8 +114,12 @@ def test_shipped_student_is_the_default_draft():
     assert pair.draft.student_info["layers"] == [0, 1, 2, 3]
     assert pair.draft.lm_head is pair.target.lm_head
     assert pair.draft.get_input_embeddings() is pair.target.get_input_embeddings()
-    ids = pair.tokenizer("def add(a, b):\n    return a + b\n", return_tensors="pt")["input_ids"]
+    text = ('"""Write a function to find the maximum of two numbers.\nassert max_of_two(3, 5) == 5\n"""\n'
+            "def max_of_two(a, b):\n    if a > b:\n        return a\n    else:\n        return b\n\n"
+            "def min_of_two(a, b):\n    if a < b:\n        return a\n    return b\n")
+    ids = pair.tokenizer(text, return_tensors="pt")["input_ids"]
     with torch.no_grad():
-        q = pair.draft(ids).logits[0, :, : pair.vocab_size].argmax(-1)
         p = pair.target(ids).logits[0, :, : pair.vocab_size].argmax(-1)
-    assert (q == p).float().mean() > 0.3  # trained: the untrained layer subset agrees on almost nothing
+        agree = {name: (d(ids).logits[0, :, : pair.vocab_size].argmax(-1) == p).float().mean().item()
+                 for name, d in [("student", pair.draft), ("untrained", layer_subset(pair.target, [0, 1, 2, 3]))]}
+    assert agree["student"] > agree["untrained"] + 0.2, agree  # trained: far closer to the target than its init
