@@ -107,7 +107,7 @@ class StubBundle:
         self.seen = []
 
     def prob(self, x):
-        self.seen.append(x)
+        self.seen.append(x.clone())  # the policy reuses its feature buffer
         return torch.tensor(self.probs.pop(0))
 
     def check_pair(self, pair):
