@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
+from eval.theory import best_gamma
 from models.pair import STUDENT_META, Pair, _cache_root, _decoder_parts, layer_subset, load_pair, load_student
 from utils.cli import UserError, check_name, hydra_entry
 
@@ -279,12 +280,10 @@ def cost_ratio(draft, target, ids: torch.Tensor, steps: int = 32, repeats: int =
 
 
 def leviathan_speedup(alpha: float, c: float, max_gamma: int = 32) -> dict:
-    """Leviathan et al. (2023) Thm 3.8: speedup(γ) = (1-α^(γ+1)) / ((1-α)(γc+1)); the best constant γ ≥ 1."""
-    best = (1.0, 0)
-    for g in range(1, max_gamma + 1):
-        tokens = g + 1 if alpha >= 1 else (1 - alpha ** (g + 1)) / (1 - alpha)
-        best = max(best, (tokens / (g * c + 1), g))
-    return {"speedup": best[0], "gamma": best[1]}
+    """Leviathan et al. (2023) Thm 3.8 via eval.theory: the best constant γ ≥ 1 and its speedup; γ = 0 (speedup 1)
+    when no γ beats target-only decoding."""
+    gamma, factor = best_gamma(alpha, c, max_gamma)
+    return {"speedup": factor, "gamma": gamma} if factor > 1.0 else {"speedup": 1.0, "gamma": 0}
 
 
 def describe(draft, target, pair: Pair, heldout, heldout_text, cost_ids, measure_cost: bool, cache=None) -> dict:
