@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from models.features import draft_probs, entropy, topk_probs
+from models.features import draft_probs, entropy, topk_probs, tvd
 
 
 
@@ -195,7 +195,7 @@ def position_stats(q_logits, p_logits, x, temperature: float, top_p: float, k: i
         "target_token": p.argmax(-1).to(torch.int32),
         "q_draft": q.gather(-1, idx).squeeze(-1),
         "p_draft": p.gather(-1, idx).squeeze(-1),
-        "tvd": 0.5 * (p - q).abs().sum(-1),
+        "tvd": tvd(p, q),
         "draft_entropy": entropy(q),
         "target_entropy": entropy(p),
         # H_{q,p} = −Σ q log p (nats): SVIP Fig. 3's ratio H_qp/H_q and the Pinsker bound via KL(q‖p) = H_qp − H_q

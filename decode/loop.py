@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from decode.verify import greedy_verify, sample_verify, sprinter_verify, tvd
-from models.features import DraftStep, draft_probs
+from decode.verify import greedy_verify, sample_verify, sprinter_verify
+from models.features import DraftStep, draft_probs, tvd
 
 
 class LM:

@@ -82,8 +82,3 @@ def sprinter_verify(
     else:
         n, nxt = sample_verify(p[j:], q[j:], draft_tokens[j:], generator)
     return j + n, nxt
-
-
-def tvd(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Total variation distance ½Σ|p − q| along the last axis."""
-    return 0.5 * (p - q).abs().sum(-1)

@@ -41,6 +41,11 @@ def entropy(probs: torch.Tensor) -> torch.Tensor:
     return -(probs * torch.log(probs.clamp_min(1e-30))).sum(-1)
 
 
+def tvd(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Total variation distance ½Σ|p − q| along the last axis (1 − TVD is the exact-sampling acceptance rate)."""
+    return 0.5 * (p - q).abs().sum(-1)
+
+
 def topk_probs(probs: torch.Tensor, k: int = DEFAULT_TOPK) -> torch.Tensor:
     """The k largest probabilities, sorted descending."""
     return probs.topk(k, dim=-1).values
