@@ -77,7 +77,7 @@ def best_f1_threshold(scores, labels) -> tuple[float, float]:
 def static_length_f1(labels, positions_in_round, max_k: int | None = None) -> dict:
     """F1 of the best static speculation length used as a classifier (DISCO App. D's "F1 static-SL").
 
-    Rounds are reconstructed from the trace by cutting after each rejection (`models.features.round_positions`), so
+    Rounds are reconstructed from the trace by cutting after each rejection (`models.features.trace_round_positions`), so
     `positions_in_round[i]` is 0 for the first drafted token of a round. A static length K predicts "continue" (1)
     for the first K positions of a round (position < K) and "stop" (0) after. We report the K in 0..max_k
     (default: the largest position seen + 1, i.e. up to "never stop") with the best F1 against the labels, which

@@ -56,22 +56,6 @@ def disco_vector(topk: torch.Tensor, ent: torch.Tensor, position: torch.Tensor) 
     return torch.cat([topk.float(), ent.float().unsqueeze(-1), position.float().unsqueeze(-1)], dim=-1)
 
 
-def round_positions(accepted: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
-    """Position in a draft round for a trace read in order, rounds cut after each rejection (greedy oracle rounds).
-
-    `accepted[i]` says whether row i's draft token was accepted; `starts[i]` marks the first row of a continuation.
-    The position resets to 0 at a continuation start and after a rejected row.
-    """
-    pos = torch.zeros_like(accepted, dtype=torch.long)
-    run = 0
-    for i in range(len(accepted)):
-        if starts[i]:
-            run = 0
-        pos[i] = run
-        run = 0 if not accepted[i] else run + 1
-    return pos
-
-
 @dataclass(frozen=True)
 class FeatureSpec:
     """What a head reads; stored in its checkpoint and checked by decode/eval against the pair and traces.
@@ -152,7 +136,7 @@ def trace_round_positions(columns: dict):
 
     accepted = _np(columns["draft_token"]) == _np(columns["target_token"])
     starts = continuation_starts(columns)
-    # the reference loop lives in round_positions; this vectorised form gives the same answer on long traces
+    # a row starts a round at a continuation start or right after a rejected row; position = rows since that start
     n = len(accepted)
     reset = np.zeros(n, dtype=bool)
     reset[0:1] = True

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.features import DraftStep, FeatureSpec, features_from_columns, round_positions, trace_round_positions
+from models.features import DraftStep, FeatureSpec, features_from_columns, trace_round_positions
 from models.heads import CKPT_KEY, HeadBundle, ResBlock, StopHead, build_head, load_head
 from utils.cli import UserError
 
@@ -58,6 +58,16 @@ def test_features_from_columns_disco_matches_decode_step():
         torch.testing.assert_close(x[i], step.disco(10))
 
 
+def _reference_round_positions(accepted, starts):
+    """The definition read literally, row by row: reset at a continuation start and after a rejected row."""
+    pos, run = [], 0
+    for acc, start in zip(accepted.tolist(), starts.tolist()):
+        run = 0 if start else run
+        pos.append(run)
+        run = run + 1 if acc else 0
+    return pos
+
+
 def test_round_positions_vectorised_equals_reference():
     g = torch.Generator().manual_seed(1)
     n = 400
@@ -65,8 +75,8 @@ def test_round_positions_vectorised_equals_reference():
             "target_token": torch.randint(0, 3, (n,), generator=g).numpy(),
             "position": [i % 50 for i in range(n)], "prompt_id": [f"p{i // 100}" for i in range(n)]}
     starts = torch.tensor([i % 50 == 0 for i in range(n)])
-    ref = round_positions(torch.tensor(cols["draft_token"] == cols["target_token"]), starts)
-    assert trace_round_positions(cols).tolist() == ref.tolist()
+    ref = _reference_round_positions(torch.tensor(cols["draft_token"] == cols["target_token"]), starts)
+    assert trace_round_positions(cols).tolist() == ref
 
 
 def _bundle_ckpt(tmp_path, kind="specdecpp"):
