@@ -255,8 +255,8 @@ class Learned(StopPolicy):
         self._survive = 1.0
         if name:
             self.name = name
-        # the head is a few small matrices: run it without autograd bookkeeping on the draft's device
-        self.head = bundle.head
+        # the head is a few small matrices on the draft's device, run as bare tensor ops (HeadBundle.scorer)
+        self.score = bundle.scorer()
         self._buf = None  # DISCO features, reused across drafted tokens
 
     def reset(self, **ctx):
@@ -264,7 +264,7 @@ class Learned(StopPolicy):
 
     def _prob(self, step: DraftStep) -> float:
         if self.bundle.spec.kind != "disco":
-            return float(self.bundle.prob(step.hidden))
+            return self.score(step.hidden.float())
         # the layout of models.features.disco_vector ([top-k, H_q, position in round]), filled into one reused
         # buffer: building fresh small tensors per drafted token cost a third of the policy's time
         if self._buf is None:
@@ -273,7 +273,7 @@ class Learned(StopPolicy):
         buf[: self.k].copy_(step.topk(self.k))
         buf[self.k] = step.entropy
         buf[self.k + 1] = step.position_in_round
-        return float(self.bundle.prob(buf))
+        return self.score(buf)
 
     def should_stop(self, step):
         if step.position_in_round == 0:

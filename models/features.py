@@ -46,9 +46,25 @@ def tvd(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return 0.5 * (p - q).abs().sum(-1)
 
 
-def topk_probs(probs: torch.Tensor, k: int = DEFAULT_TOPK) -> torch.Tensor:
-    """The k largest probabilities, sorted descending."""
-    return probs.topk(k, dim=-1).values
+def topk_probs(probs: torch.Tensor, k: int = DEFAULT_TOPK, chunk: int = 256) -> torch.Tensor:
+    """The k largest probabilities, sorted descending (the values of `probs.topk(k)`, bit for bit).
+
+    Two-stage, because a full top-k over a 49k vocabulary was the largest cost of the DISCO policy per drafted token
+    (~90 µs on one CPU core; this takes ~25): split the vocabulary into chunks, keep the k chunks with the largest
+    maxima, take the top-k of those. Exact: an element outside those chunks has k larger chunk maxima above it, so it
+    cannot be among the k largest. The tail that does not fill a chunk is always kept.
+    """
+    vocab = probs.shape[-1]
+    n = vocab // chunk
+    if n < 2 * k:
+        return probs.topk(k, dim=-1).values
+    lead = probs.shape[:-1]
+    body = probs[..., : n * chunk].reshape(*lead, n, chunk)
+    best = body.amax(-1).topk(k, dim=-1).indices
+    cand = body.gather(-2, best.unsqueeze(-1).expand(*lead, k, chunk)).flatten(-2)
+    if n * chunk < vocab:
+        cand = torch.cat([cand, probs[..., n * chunk :]], dim=-1)
+    return cand.topk(k, dim=-1).values
 
 
 def disco_vector(topk: torch.Tensor, ent: torch.Tensor, position: torch.Tensor) -> torch.Tensor:

@@ -135,6 +135,28 @@ class HeadBundle:
             raise UserError(f"head expects features of size {self.spec.dim} ({self.spec.kind}), got {x.shape[-1]}")
         return torch.sigmoid(self.head(x.to(self.head.mean.device)))
 
+    @torch.no_grad()
+    def scorer(self):
+        """A function raw features (spec.dim,) → P(accept) as a float, for one drafted token at a time in decode.
+
+        Same numbers as `prob` (a test checks), fewer ops: for the heads that start with a linear layer (DISCO,
+        SPRINTER) the (x − mean) / std normalisation is folded into that layer and the layers run as bare tensor ops,
+        because walking the module tree cost ~30 µs per drafted token against ~8 for the folded form. Build it after
+        moving the head to its device; it reads a snapshot of the weights.
+        """
+        net, mean, std = self.head.net, self.head.mean, self.head.std
+        first = net.net[0] if isinstance(net, DiscoFFN) else net.linear if isinstance(net, SprinterLinear) else None
+        if first is None:
+            return lambda x: float(self.prob(x))
+        w1 = (first.weight / std).detach().clone()
+        b1 = (first.bias - w1 @ mean).detach().clone()
+        if isinstance(net, SprinterLinear):
+            w, b = w1[0], b1
+            return lambda x: float(torch.sigmoid(torch.dot(w, x) + b))
+        last = net.net[-1]
+        w2, b2 = last.weight[0].detach().clone(), last.bias.detach().clone()
+        return lambda x: float(torch.sigmoid(torch.dot(w2, torch.relu(torch.addmv(b1, w1, x))) + b2))
+
     def check_pair(self, pair) -> None:
         """Refuse a pair this head was not trained for (pair id, tokenizer, draft hidden size)."""
         where = f" ({self.path})" if self.path else ""

@@ -56,6 +56,9 @@ class FixedVerifier:
     def prob(self, x):
         return torch.tensor(self.a)
 
+    def scorer(self):
+        return lambda x: self.a
+
 
 def exact_policies(pair):
     pols = [build_policy("constant", {"k": k}) for k in (1, 3, 6)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.features import DraftStep, FeatureSpec, features_from_columns, trace_round_positions
+from models.features import DraftStep, FeatureSpec, features_from_columns, topk_probs, trace_round_positions
 from models.heads import CKPT_KEY, HeadBundle, ResBlock, StopHead, build_head, load_head
 from utils.cli import UserError
 
@@ -35,6 +35,38 @@ def test_normalisation_inside_head():
     assert head.std[2] == 1.0  # constant column keeps std 1
     expected = head.net((x - head.mean) / head.std)
     torch.testing.assert_close(head(x), expected)
+
+
+@pytest.mark.parametrize("shape", [(49152,), (3, 49152), (151936,), (1000,), (2, 5000 + 37)])
+def test_topk_probs_equals_full_topk(shape):
+    """The two-stage top-k returns exactly torch.topk's values: vocabularies with and without a partial last chunk,
+    batched rows, ties (many equal probabilities) and a peaked distribution."""
+    torch.manual_seed(0)
+    probs = torch.softmax(torch.randn(shape) * 4, -1)
+    assert torch.equal(topk_probs(probs, 10), probs.topk(10, -1).values)
+    flat = torch.full(shape, 1.0 / shape[-1])
+    assert torch.equal(topk_probs(flat, 10), flat.topk(10, -1).values)
+    peaked = probs.clone()
+    peaked[..., -1] = 5.0  # the largest value in the tail beyond the last full chunk
+    assert torch.equal(topk_probs(peaked, 10), peaked.topk(10, -1).values)
+
+
+@pytest.mark.parametrize("kind,spec,arch", [
+    ("disco", FeatureSpec("disco", k=10), {"hidden": 16}),
+    ("sprinter", FeatureSpec("hidden", d=8), None),
+    ("specdecpp", FeatureSpec("hidden", d=8), {"num_blocks": 2}),
+])
+def test_scorer_matches_prob(kind, spec, arch):
+    """decode's folded per-token scorer gives HeadBundle.prob's probability (normalisation fitted, weights random)."""
+    torch.manual_seed(1)
+    head = build_head(kind, spec, arch)
+    for p in head.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    head.set_normalization(torch.randn(spec.dim), torch.rand(spec.dim) + 0.5)
+    bundle = HeadBundle(head=head.eval(), kind=kind, spec=spec, labels={}, threshold=0.5, pair_id="p", tokenizer_hash="t")
+    score = bundle.scorer()
+    for x in torch.randn(5, spec.dim) * 3:
+        assert abs(score(x) - float(bundle.prob(x))) < 1e-5
 
 
 def test_features_from_columns_disco_matches_decode_step():

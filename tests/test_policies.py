@@ -110,6 +110,9 @@ class StubBundle:
         self.seen.append(x.clone())  # the policy reuses its feature buffer
         return torch.tensor(self.probs.pop(0))
 
+    def scorer(self):
+        return lambda x: float(self.prob(x))
+
     def check_pair(self, pair):
         if pair.pair_id != self.pair_id:
             raise UserError(f"head was trained on pair {self.pair_id} but this run uses {pair.pair_id}")
