@@ -93,7 +93,8 @@ def load_specbench(cfg: DictConfig) -> list[Prompt]:
         ref = row.get("reference")
         reference = ref[0] if isinstance(ref, list) and ref else None
         split = _hash_split(f"specbench:{qid}", 6, 2)
-        out.append(Prompt(f"specbench-{qid}", split, row["turns"][0], reference, {"category": cat}))
+        task = "mt_bench" if cat in MT_BENCH_CATEGORIES else cat  # the six columns of SVIP's Table 1
+        out.append(Prompt(f"specbench-{qid}", split, row["turns"][0], reference, {"category": cat, "task": task}))
     return out
 
 
@@ -158,6 +159,16 @@ def load_prompts(cfg: DictConfig, split: str = "all", limit: int | None = None) 
         if split not in present:
             raise UserError(f"dataset {cfg.name} has no split '{split}'; it has: {', '.join(present + ['all'])}")
         prompts = [p for p in prompts if p.split == split]
+    per_task = cfg.get("per_task_limit")
+    if per_task is not None:  # the first N of each task, so a small run still covers every column (Spec-Bench)
+        seen: dict[str, int] = {}
+        kept = []
+        for p in prompts:
+            task = p.meta.get("task", "")
+            if seen.get(task, 0) < int(per_task):
+                seen[task] = seen.get(task, 0) + 1
+                kept.append(p)
+        prompts = kept
     if limit is not None and limit >= 0:
         prompts = prompts[:limit]
     if not prompts:

@@ -129,7 +129,7 @@ def summarize(rows: list[dict], target_rows: list[dict], c: float, greedy: bool,
                                     for r in rows) if exact else False) if greedy else None,
         "per_position_acceptance": [acc_pos[j] / verified[j] if verified[j] else None for j in range(last + 1)],
         "draft_length_hist": {str(k): v for k, v in sorted(Counter(k for k, _ in rounds).items())},
-        "mean_draft_length": drafted / len(rounds) if rounds else 0.0,
+        "mean_draft_length": drafted / len(rounds) if rounds else None,  # None: no per-round view (transformers)
         "draft_step_ms": 1000 * draft_s / draft_calls if draft_calls else None,
         "policy_ms_per_draft_step": 1000 * policy_s / draft_calls if draft_calls else None,
         "n_prompts": len(rows),

@@ -67,6 +67,13 @@ class Constant(StopPolicy):
         return {**super().describe(), "k": self.k}
 
 
+class StaticOpt(Constant):
+    """Static K chosen on the validation split (`mode=tune`, grid `tune.grid.static_opt.k`): DISCO's "SL-opt" row,
+    listed beside `constant` so a table shows both the default K=5 and the best fixed K."""
+
+    name = "static_opt"
+
+
 class Heuristic(StopPolicy):
     """transformers' `heuristic` schedule: all drafted accepted → K + 2, else K − 1 (min 1), capped by max_len."""
 
@@ -298,6 +305,7 @@ class Sprinter(Learned):
 
 POLICIES = {
     "constant": Constant,
+    "static_opt": StaticOpt,
     "heuristic": Heuristic,
     "oracle": Oracle,
     "max_confidence": MaxConfidence,
@@ -306,7 +314,8 @@ POLICIES = {
     "learned": Learned,
     "sprinter": Sprinter,
 }
-KNOWN = ["target", *POLICIES]
+EXTERNAL = ("hf_assisted",)  # methods that run their own loop (decode/hf.py), listed like policies
+KNOWN = ["target", *POLICIES, *EXTERNAL]
 HEAD_POLICIES = ("learned", "sprinter")
 
 
@@ -327,6 +336,15 @@ def build_policy(spec: str, params: dict | None = None, pair=None, ckpt: str | N
     if name == "target":
         raise UserError("'target' is target-only decoding, not a stop policy")
     params = {k: v for k, v in dict(params or {}).items() if k not in ("ckpt", "_name")}
+    if name in EXTERNAL:
+        if pair is None:
+            raise UserError(f"'{name}' runs transformers' generate and needs the pair")
+        from decode.hf import HFAssisted
+
+        try:
+            return HFAssisted(pair, **params)
+        except TypeError as err:
+            raise UserError(f"bad parameter for {name}: {err}; see conf/policy/{name}.yaml") from None
     cls = POLICIES[name]
     if name in HEAD_POLICIES:
         path = path or ckpt

@@ -5,7 +5,8 @@ hits every method alike); a warm-up generation of every method precedes all timi
 `prompts.jsonl` (one row per method × prompt), `summary.json` ({method: metrics}), `summary.md` (the table),
 `run.json` (settings, device, measured c), `speedup.png` and `acceptance_by_position.png`.
 
-`mode=tune` chooses each policy's free parameter on `tune.split` (validation) by `tune.metric`, writes `tuned.json`,
+`mode=sweep` runs every point of `tune.grid` for the listed policies as its own row on `split` (a K sweep, an
+h sweep) and chooses nothing. `mode=tune` chooses each policy's free parameter on `tune.split` (validation) by `tune.metric`, writes `tuned.json`,
 and then evaluates the chosen settings on `tune.eval_split` (test) — thresholds are never tuned on test.
 """
 
@@ -25,7 +26,7 @@ from tqdm import tqdm
 
 from decode import metrics
 from decode.loop import autoregressive, speculative
-from decode.policies import HEAD_POLICIES, build_policy, parse_spec
+from decode.policies import EXTERNAL, HEAD_POLICIES, build_policy, parse_spec
 from utils.cli import UserError
 
 log = logging.getLogger(__name__)
@@ -77,12 +78,29 @@ def methods_from_cfg(cfg: DictConfig) -> list[Method]:
     keys = [m.key for m in out]
     if len(set(keys)) != len(keys):
         raise UserError(f"policies lists a method twice: {keys}")
+    if cfg.get("tuned"):
+        out = apply_tuned(out, Path(str(cfg.tuned)))
     if float(cfg.temperature) > 0:
         bad = [m.key for m in out if parse_spec(m.spec)[0] == "oracle"]
         if bad:
             raise UserError("the oracle policy is greedy-only (its lookahead is the target's greedy output); "
                             "use temperature=0 or drop oracle from policies")
     return out
+
+
+def apply_tuned(methods: list[Method], path: Path) -> list[Method]:
+    """Parameters chosen by an earlier `mode=tune` run (its tuned.json), matched by method key: how a setting tuned
+    on one dataset's validation split is carried to another test set (MBPP → HumanEval). Methods the file does not
+    name keep their configured parameters; run.json records the parameters every method ran with."""
+    if not path.is_file():
+        raise UserError(f"tuned={path}: no such file; pass the tuned.json written by a `mode=tune` run")
+    try:
+        chosen = json.loads(path.read_text())["chosen"]
+    except (ValueError, KeyError, TypeError):
+        raise UserError(f"tuned={path} is not a tuned.json from `python -m decode mode=tune`") from None
+    if not any(m.key in chosen for m in methods):
+        raise UserError(f"tuned={path} tunes {sorted(chosen)}, none of this run's methods {[m.key for m in methods]}")
+    return [Method(m.key, m.spec, {**m.params, **chosen.get(m.key, {})}) for m in methods]
 
 
 def tokenize_prompts(pair, prompts, max_new_tokens: int) -> list[list[int]]:
@@ -113,11 +131,19 @@ def _gen(seed: int):
     return g
 
 
-def run_split(cfg: DictConfig, pair, split: str, methods: list[Method], desc: str = "") -> tuple[dict, list[dict]]:
-    """Run target-only + methods on one split; returns (summary, per-prompt rows). No files written here."""
+def _run_method(pol, pair, prompt_ids, max_new, temp, top_p, eos, gen, lookahead):
+    if getattr(pol, "external", False):  # transformers' assisted generation runs its own loop
+        return pol.generate(prompt_ids, max_new, temp, top_p, eos, gen)
+    return speculative(pair, prompt_ids, pol, max_new, temp, top_p, eos, gen, lookahead=lookahead)
+
+
+def run_split(cfg: DictConfig, pair, split: str, methods: list[Method], desc: str = "",
+              limit: int | None | str = "cfg") -> tuple[dict, list[dict], dict]:
+    """Run target-only + methods on one split; returns (summary, per-prompt rows, per-task summaries — {} unless
+    the prompts carry a `task`, as Spec-Bench's do). No files written here."""
     from data_gen.prompts import load_prompts
 
-    limit = cfg.get("limit")
+    limit = cfg.get("limit") if limit == "cfg" else limit
     prompts = load_prompts(cfg.dataset, split, None if limit is None else int(limit))
     max_new, temp, top_p, seed = int(cfg.max_new_tokens), float(cfg.temperature), float(cfg.top_p), int(cfg.seed)
     greedy = temp == 0
@@ -132,7 +158,7 @@ def run_split(cfg: DictConfig, pair, split: str, methods: list[Method], desc: st
         warm_new = min(8, max_new)
         ref = autoregressive(pair, ids[0], warm_new, temp, top_p, eos, _gen(seed))
         for pol in policies.values():
-            speculative(pair, ids[0], pol, warm_new, temp, top_p, eos, _gen(seed), lookahead=ref.tokens)
+            _run_method(pol, pair, ids[0], warm_new, temp, top_p, eos, _gen(seed), ref.tokens)
         policies = fresh()
 
     rows: list[dict] = []
@@ -142,13 +168,16 @@ def run_split(cfg: DictConfig, pair, split: str, methods: list[Method], desc: st
         bar.update()
         ref_text = pair.tokenizer.decode(ref.tokens, skip_special_tokens=True)
         rows.append({"method": "target", "prompt_id": prompt.prompt_id, **metrics.record(ref, None),
-                     "tokens": ref.tokens, "text": ref_text})
+                     "tokens": ref.tokens, "text": ref_text, **({"task": prompt.meta["task"]}
+                                                                if prompt.meta.get("task") else {})})
         for m in methods:
             pol = policies[m.key]
-            res = speculative(pair, prompt_ids, pol, max_new, temp, top_p, eos, _gen(seed * 100003 + i),
-                              lookahead=ref.tokens if greedy else None)
+            res = _run_method(pol, pair, prompt_ids, max_new, temp, top_p, eos, _gen(seed * 100003 + i),
+                              ref.tokens if greedy else None)
             bar.update()
             row = {"method": m.key, "prompt_id": prompt.prompt_id, **metrics.record(res, ref), "tokens": res.tokens}
+            if prompt.meta.get("task"):
+                row["task"] = prompt.meta["task"]
             row["text"] = pair.tokenizer.decode(res.tokens, skip_special_tokens=True)
             if pol.approximate:
                 row["rouge_l_target"] = metrics.rouge_l(row["text"], ref_text)
@@ -159,20 +188,29 @@ def run_split(cfg: DictConfig, pair, split: str, methods: list[Method], desc: st
     if greedy:
         tie_margins(pair, rows, dict(zip([p.prompt_id for p in prompts], ids)), policies)
 
-    target_rows = [r for r in rows if r["method"] == "target"]
-    draft_s = sum(r["draft_s"] for r in rows if r["method"] != "target")
-    draft_calls = sum(r["draft_calls"] for r in rows if r["method"] != "target")
-    c = metrics.measured_c(draft_s, draft_calls, sum(r["target_s"] for r in target_rows),
-                           sum(r["target_calls"] - 1 for r in target_rows))  # target_s excludes the prefill call
-    summary = {"target": metrics.target_summary(target_rows)}
-    for m in methods:
-        pol = policies[m.key]
-        s = metrics.summarize([r for r in rows if r["method"] == m.key], target_rows, c, greedy, not pol.approximate,
-                              float(cfg.get("tie_tol", 0.25)))
-        s.update(oracle=pol.oracle, approximate=pol.approximate, params=pol.describe(), measured_c=c)
-        summary[m.key] = s
-    summary["target"]["measured_c"] = c
-    return summary, rows
+    # c from our loop's timed draft steps (transformers' loop exposes no draft/target split)
+    ours = [r for r in rows if r["method"] != "target" and not getattr(policies[r["method"]], "external", False)]
+    target_all = [r for r in rows if r["method"] == "target"]
+    c = metrics.measured_c(sum(r["draft_s"] for r in ours), sum(r["draft_calls"] for r in ours),
+                           sum(r["target_s"] for r in target_all),
+                           sum(r["target_calls"] - 1 for r in target_all))  # target_s excludes the prefill call
+
+    def summarize(subset: list[dict]) -> dict:
+        target_rows = [r for r in subset if r["method"] == "target"]
+        summary = {"target": metrics.target_summary(target_rows)}
+        for m in methods:
+            pol = policies[m.key]
+            s = metrics.summarize([r for r in subset if r["method"] == m.key], target_rows, c, greedy,
+                                  not pol.approximate, float(cfg.get("tie_tol", 0.25)))
+            s.update(oracle=pol.oracle, approximate=pol.approximate, params=pol.describe(), measured_c=c,
+                     external=bool(getattr(pol, "external", False)))
+            summary[m.key] = s
+        summary["target"]["measured_c"] = c
+        return summary
+
+    tasks = sorted({r["task"] for r in rows if r.get("task")})
+    by_task = {t: summarize([r for r in rows if r.get("task") == t]) for t in tasks} if len(tasks) > 1 else {}
+    return summarize(rows), rows, by_task
 
 
 @torch.inference_mode()
@@ -218,7 +256,8 @@ def markdown_table(summary: dict, title: str = "") -> str:
              "| method | " + " | ".join(c[0] for c in cols) + " |",
              "|---|" + "---|" * len(cols)]
     for key, s in summary.items():
-        name = key + (" (oracle)" if s.get("oracle") else "") + (" (approx.)" if s.get("approximate") else "")
+        name = key + (" (oracle)" if s.get("oracle") else "") + (" (approx.)" if s.get("approximate") else "") + (
+            " (transformers)" if s.get("external") else "")
         lines.append(f"| {name} | " + " | ".join(_fmt(s.get(c[1]), c[2]) for c in cols) + " |")
     approx = {k: s for k, s in summary.items() if s.get("approximate")}
     if approx:
@@ -278,9 +317,26 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def task_table(by_task: dict, title: str = "") -> str:
+    """SVIP Table 1 layout: one row per method, speedup per task (and the mean accepted length in brackets)."""
+    tasks = list(by_task)
+    methods = list(next(iter(by_task.values())))
+    lines = [f"### {title}" if title else "", "", "| method | " + " | ".join(tasks) + " | overall (mean) |",
+             "|---|" + "---|" * (len(tasks) + 1)]
+    for k in methods:
+        cells = [f"{by_task[t][k]['speedup']:.2f}× ({by_task[t][k]['mean_accepted_length']:.2f})" for t in tasks]
+        mean = sum(by_task[t][k]["speedup"] for t in tasks) / len(tasks)
+        lines.append(f"| {k} | " + " | ".join(cells) + f" | {mean:.2f}× |")
+    lines += ["", "Speedup vs target-only on the same prompts (mean accepted length = new tokens per target call)."]
+    return "\n".join(lines) + "\n"
+
+
 def write_outputs(out_dir: Path, summary: dict, rows: list[dict], run_info: dict, title: str, make_plots: bool,
-                  prefix: str = "") -> None:
+                  prefix: str = "", by_task: dict | None = None) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
+    if by_task:
+        _atomic_write(out_dir / f"{prefix}by_task.json", json.dumps(by_task, indent=2))
+        _atomic_write(out_dir / f"{prefix}by_task.md", task_table(by_task, title))
     _atomic_write(out_dir / f"{prefix}prompts.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
     _atomic_write(out_dir / f"{prefix}run.json", json.dumps(run_info, indent=2))
     _atomic_write(out_dir / f"{prefix}summary.md", markdown_table(summary, title))
@@ -290,27 +346,33 @@ def write_outputs(out_dir: Path, summary: dict, rows: list[dict], run_info: dict
 
 
 def run_info(cfg: DictConfig, pair, split: str, summary: dict) -> dict:
+    tuning = cfg.get("mode") == "tune" and split == str(cfg.tune.split)
     return {
-        "pair": pair.pair_id, "dataset": str(cfg.dataset.name), "split": split, "limit": cfg.get("limit"),
+        "pair": pair.pair_id, "draft": OmegaConf.to_container(cfg.pair.draft, resolve=True),
+        "dataset": str(cfg.dataset.name), "split": split,
+        "limit": cfg.tune.get("limit", cfg.get("limit")) if tuning else cfg.get("limit"),
         "max_new_tokens": int(cfg.max_new_tokens), "temperature": float(cfg.temperature), "top_p": float(cfg.top_p),
         "seed": int(cfg.seed), "device": str(pair.device), "dtype": str(pair.dtype), "batch_size": 1,
         "torch_threads": torch.get_num_threads(), "measured_c": summary["target"].get("measured_c"),
-        "policies": [str(p) for p in cfg.policies],
+        "policies": [str(p) for p in cfg.policies], "tuned": cfg.get("tuned"),
+        "params": {k: v.get("params") for k, v in summary.items() if isinstance(v, dict) and v.get("params")},
     }
 
 
 # ------------------------------------------------------------------------------------------------------------ tune
 
 
-def tune_grid(cfg: DictConfig, methods: list[Method]) -> list[Method]:
-    """Every grid point of `tune.grid.<policy>` for the listed policies (others run once with their params)."""
+def tune_grid(cfg: DictConfig, methods: list[Method], untuned: bool = True) -> list[Method]:
+    """Every grid point of `tune.grid.<policy>` for the listed policies; the others once with their params
+    (`untuned=False` leaves them out: tuning has nothing to choose for them)."""
     grid = OmegaConf.to_container(cfg.tune.grid, resolve=True) or {}
     out = []
     for m in methods:
         name = parse_spec(m.spec)[0]
         space = grid.get(name) or {}
         if not space:
-            out.append(m)
+            if untuned:
+                out.append(m)
             continue
         keys = list(space)
         for values in itertools.product(*(space[k] for k in keys)):
@@ -325,6 +387,9 @@ def choose(summary: dict, methods: list[Method], grid_methods: list[Method], met
     chosen = []
     for m in methods:
         cands = [g for g in grid_methods if g.key == m.key or g.key.startswith(m.key + "[")]
+        if not cands:  # no grid: runs with its configured parameters
+            chosen.append(m)
+            continue
         best = max(cands, key=lambda g: summary[g.key].get(metric) or float("-inf"))
         chosen.append(Method(m.key, m.spec, best.params))
     return chosen
@@ -334,8 +399,8 @@ def main(cfg: DictConfig) -> dict:
     check_settings(cfg)
     methods = methods_from_cfg(cfg)
     mode = str(cfg.get("mode", "run"))
-    if mode not in ("run", "tune"):
-        raise UserError(f"mode must be run or tune, got '{mode}'")
+    if mode not in ("run", "tune", "sweep"):
+        raise UserError(f"mode must be run, tune or sweep, got '{mode}'")
     threads = cfg.get("threads")
     if threads:
         torch.set_num_threads(int(threads))
@@ -347,16 +412,25 @@ def main(cfg: DictConfig) -> dict:
         build_policy(m.spec, m.params, pair=pair)
     out_dir = Path(cfg.out_dir) if cfg.get("out_dir") else _hydra_dir()
     make_plots = bool(cfg.get("plots", True))
-    if mode == "run":
-        summary, rows = run_split(cfg, pair, str(cfg.split), methods)
+    if mode in ("run", "sweep"):
+        if mode == "sweep":  # every grid point of tune.grid as its own row, on `split`; nothing is chosen
+            methods = tune_grid(cfg, methods)
+        summary, rows, by_task = run_split(cfg, pair, str(cfg.split), methods)
         title = f"{pair.pair_id} · {cfg.dataset.name}/{cfg.split} · T={cfg.temperature} · {cfg.max_new_tokens} new tokens"
-        write_outputs(out_dir, summary, rows, run_info(cfg, pair, str(cfg.split), summary), title, make_plots)
+        write_outputs(out_dir, summary, rows, run_info(cfg, pair, str(cfg.split), summary), title, make_plots,
+                      by_task=by_task)
         print(markdown_table(summary, title))
+        if by_task:
+            print(task_table(by_task, title))
         print(f"wrote {out_dir}/summary.json")
         return summary
-    grid = tune_grid(cfg, methods)
+    grid = tune_grid(cfg, methods, untuned=False)
+    if not grid:
+        raise UserError(f"mode=tune: none of {[m.key for m in methods]} has a grid in tune.grid; "
+                        f"gridded: {sorted(OmegaConf.to_container(cfg.tune.grid) or {})}")
     metric = str(cfg.tune.metric)
-    tsum, trows = run_split(cfg, pair, str(cfg.tune.split), grid, desc=f"tune on {cfg.tune.split}")
+    tsum, trows, _ = run_split(cfg, pair, str(cfg.tune.split), grid, desc=f"tune on {cfg.tune.split}",
+                               limit=cfg.tune.get("limit", cfg.get("limit")))
     chosen = choose(tsum, methods, grid, metric)
     tuned = {m.key: m.params for m in chosen}
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -368,10 +442,14 @@ def main(cfg: DictConfig) -> dict:
     print("chosen:", json.dumps(tuned))
     if not cfg.tune.get("eval_split"):
         return tsum
-    summary, rows = run_split(cfg, pair, str(cfg.tune.eval_split), chosen, desc=f"eval on {cfg.tune.eval_split}")
+    summary, rows, by_task = run_split(cfg, pair, str(cfg.tune.eval_split), chosen,
+                                       desc=f"eval on {cfg.tune.eval_split}")
     title = f"{pair.pair_id} · {cfg.dataset.name}/{cfg.tune.eval_split} · tuned on {cfg.tune.split}"
-    write_outputs(out_dir, summary, rows, run_info(cfg, pair, str(cfg.tune.eval_split), summary), title, make_plots)
+    write_outputs(out_dir, summary, rows, run_info(cfg, pair, str(cfg.tune.eval_split), summary), title, make_plots,
+                  by_task=by_task)
     print(markdown_table(summary, title))
+    if by_task:
+        print(task_table(by_task, title))
     print(f"wrote {out_dir}/summary.json")
     return summary
 

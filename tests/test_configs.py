@@ -25,7 +25,36 @@ def test_experiment_not_in_defaults():
     assert EXPECTED <= set(known_names("experiment"))
 
 
-@pytest.mark.parametrize("name", known_names("experiment"))
+TRAIN_EXPERIMENTS = [n for n in known_names("experiment") if not n.startswith("study_")]
+STUDIES = [n for n in known_names("experiment") if n.startswith("study_")]
+
+
+@pytest.mark.parametrize("name", STUDIES)
+def test_every_study_composes_for_decode(name):
+    """Decode studies compose against conf/decode.yaml, name their policies and an out_dir under results/."""
+    from hydra import compose, initialize_config_dir
+
+    from decode.policies import parse_spec
+    from utils.cli import CONF_DIR
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("decode", overrides=[f"+experiment={name}"])
+    assert cfg.mode in ("run", "tune", "sweep") and cfg.policies
+    for spec in cfg.policies:
+        parse_spec(str(spec))
+    assert str(cfg.out_dir).startswith("results/")
+
+
+def test_experiment_for_the_other_stage_is_one_line(cli):
+    r = cli("train", f"+experiment={STUDIES[0]}")
+    assert r.returncode == 2 and r.stderr.strip() == f"error: experiment '{STUDIES[0]}' is a decoding study: " \
+        f"python -m decode +experiment={STUDIES[0]}"
+    r = cli("decode", "+experiment=disco_mbpp")
+    assert r.returncode == 2 and "trains a head: python -m train +experiment=disco_mbpp" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("name", TRAIN_EXPERIMENTS)
 def test_every_experiment_composes(name):
     cfg = compose_train(f"+experiment={name}")
     assert cfg.experiment_name == name

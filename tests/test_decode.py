@@ -319,3 +319,89 @@ def test_tie_margin_of_a_divergence(tiny_pair):
     assert s["lossless"] is False and s["lossless_up_to_ties"] is True
     s = summarize([{**rows[1], **base}], [{**base, "draft_calls": 0}], 0.2, True, True, tie_tol=margin / 2)
     assert s["lossless_up_to_ties"] is False
+
+
+# ------------------------------------------------------------------------------------------ study-facing features
+
+
+def test_hf_assisted_row_is_lossless_and_counted(tmp_path, tiny_pair):
+    """transformers' assisted generation as a decode method: same greedy output as target-only, its calls counted
+    (the drafted tokens include accepted ones), marked external, and excluded from the measured c."""
+    from decode.runner import main
+
+    out = tmp_path / "run"
+    s = main(compose("policies=[constant,hf_assisted]", f"out_dir={out}"))
+    hf = s["hf_assisted"]
+    assert hf["external"] is True and s["constant"]["external"] is False
+    assert hf["lossless"] is True
+    assert hf["params"]["num_assistant_tokens"] == 20 and hf["params"]["confidence_threshold"] == 0.4
+    assert 0 < hf["target_calls_per_token"] <= 1 and hf["draft_calls_per_token"] > 0
+    assert 0 <= hf["acceptance_rate"] <= 1
+    assert "hf_assisted (transformers)" in (out / "summary.md").read_text()
+
+
+def test_sweep_tune_and_tuned_carry_over(tmp_path, tiny_pair):
+    """mode=sweep: one row per grid point; mode=tune writes tuned.json whose static_opt K then drives a mode=run
+    elsewhere through tuned=PATH (constant keeps its K); bad tuned= paths are one-line user errors."""
+    from decode.runner import main
+    from utils.cli import UserError
+
+    s = main(compose("mode=sweep", "policies=[static_opt]", "tune.grid.static_opt.k=[1,3]", f"out_dir={tmp_path / 'sw'}"))
+    assert set(s) == {"target", "static_opt[k=1]", "static_opt[k=3]"}
+    assert s["static_opt[k=3]"]["mean_draft_length"] > s["static_opt[k=1]"]["mean_draft_length"]
+
+    tune_dir = tmp_path / "tune"
+    main(compose("mode=tune", "tune.eval_split=null", "policies=[constant,static_opt]", "tune.grid.static_opt.k=[2]",
+                 "limit=1", f"out_dir={tune_dir}"))
+    tuned = json.loads((tune_dir / "tuned.json").read_text())
+    assert tuned["chosen"]["static_opt"] == {"k": 2} and tuned["chosen"]["constant"] == {"k": 5}
+    s = main(compose("policies=[constant,static_opt]", f"tuned={tune_dir / 'tuned.json'}", f"out_dir={tmp_path / 'r'}"))
+    assert s["static_opt"]["params"]["k"] == 2 and s["constant"]["params"]["k"] == 5
+    assert json.loads((tmp_path / "r" / "run.json").read_text())["params"]["static_opt"]["k"] == 2
+
+    with pytest.raises(UserError, match="no such file"):
+        main(compose("policies=[svip]", f"tuned={tmp_path / 'nope.json'}", f"out_dir={tmp_path / 'x'}"))
+    with pytest.raises(UserError, match="none of this run's methods"):
+        main(compose("policies=[svip]", f"tuned={tune_dir / 'tuned.json'}", f"out_dir={tmp_path / 'x'}"))
+
+
+def test_k_sweep_analysis(tmp_path, tiny_pair):
+    """eval.k_sweep on a real (tiny) sweep: α̂ is accepted ÷ verified positions pooled over every K, predictions
+    come from eval.theory at that α̂ and the run's c, one row per K."""
+    from decode.metrics import per_position
+    from decode.runner import main
+    from eval.k_sweep import analyse, write
+    from eval.theory import improvement_factor
+
+    out = tmp_path / "sw"
+    main(compose("mode=sweep", "policies=[static_opt]", "tune.grid.static_opt.k=[1,2,4]", f"out_dir={out}"))
+    res = analyse(out)
+    assert [r["k"] for r in res["rows"]] == [1, 2, 4]
+    rounds = [tuple(x) for line in (out / "prompts.jsonl").read_text().splitlines()
+              for x in json.loads(line)["rounds"]]
+    v, a = per_position(rounds)
+    assert res["alpha"] == pytest.approx(sum(a) / sum(v))
+    assert res["rows"][1]["predicted_leviathan"] == pytest.approx(improvement_factor(res["alpha"], 2, res["c"]))
+    write(res, out)
+    assert (out / "k_sweep.png").is_file() and "| 4 |" in (out / "k_sweep.md").read_text()
+
+
+def test_collect_runs_by_a_setting(tmp_path, tiny_pair):
+    """eval.collect: two decode runs differing in temperature → one method × temperature table and plot; runs that
+    do not differ in --by, or a missing field, are one-line user errors."""
+    from decode.runner import main
+    from eval.collect import collect, write
+    from utils.cli import UserError
+
+    for t in (0.0, 0.7):
+        main(compose("policies=[svip]", f"temperature={t}", "limit=1", f"out_dir={tmp_path / str(t)}"))
+    res = collect([tmp_path / "0.7", tmp_path / "0.0"], "temperature")
+    assert res["values"] == ["0.0", "0.7"] and set(res["methods"]) == {"svip"}
+    s07 = json.loads((tmp_path / "0.7" / "summary.json").read_text())["svip"]["speedup"]
+    assert res["methods"]["svip"]["0.7"]["speedup"] == s07
+    write(res, tmp_path / "out")
+    assert "temperature=0.7" in (tmp_path / "out" / "collect.md").read_text()
+    with pytest.raises(UserError, match="share"):
+        collect([tmp_path / "0.0", tmp_path / "0.0"], "temperature")
+    with pytest.raises(UserError, match="no field"):
+        collect([tmp_path / "0.0"], "nope")

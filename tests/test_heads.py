@@ -157,3 +157,25 @@ def test_check_pair(tmp_path, tiny_pair):
     bundle.check_pair(tiny_pair)
     with pytest.raises(UserError, match="expects features of size 64"):
         bundle.prob(torch.randn(2, 8))
+
+
+def test_export_keeps_only_what_decode_reads(tmp_path):
+    """train.export drops optimizer/loop state; the copy loads to the same head (same probabilities, same meta)."""
+    from train.export import export
+
+    spec = FeatureSpec("disco", k=10)
+    head = build_head("disco", spec, {"hidden": 8}).eval()
+    bundle = HeadBundle(head=head, kind="disco", spec=spec, labels={"name": "greedy_match"}, threshold=0.4,
+                        pair_id="p", tokenizer_hash="t", arch={"hidden": 8})
+    run = tmp_path / "run" / "checkpoints"
+    run.mkdir(parents=True)
+    state = {f"head.{k}": v for k, v in head.state_dict().items()}
+    torch.save({CKPT_KEY: bundle.meta(), "state_dict": state, "optimizer_states": [{"big": torch.zeros(1000)}]},
+               run / "best.ckpt")
+    (run.parent / "results.json").write_text('{"test/auroc": 0.7}')
+    dst = export(run / "best.ckpt", tmp_path / "out" / "h.ckpt")
+    assert set(torch.load(dst, weights_only=False)) == {CKPT_KEY, "state_dict"}
+    again = load_head(dst)
+    x = torch.randn(3, 12)
+    torch.testing.assert_close(again.prob(x), bundle.prob(x))
+    assert again.threshold == 0.4 and (tmp_path / "out" / "h.results.json").is_file()

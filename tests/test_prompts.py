@@ -67,3 +67,18 @@ def test_bad_split_category_and_empty():
 def test_render_without_template_is_raw():
     p = load_prompts(ds("mbpp"), "test", limit=1)[0]
     assert render(p, tiny_tokenizer(), chat_template=True) == p.text
+
+
+def test_specbench_tasks_and_per_task_limit():
+    """Spec-Bench prompts carry SVIP Table 1's task (MT-Bench categories grouped); per_task_limit keeps the first N
+    of each task in the split, so a small run still covers all six columns."""
+    from omegaconf import OmegaConf
+
+    from data_gen.prompts import load_prompts
+
+    cfg = OmegaConf.create({"name": "specbench", "loader": "specbench", "category": "all", "per_task_limit": 3})
+    prompts = load_prompts(cfg, "test")
+    tasks = [p.meta["task"] for p in prompts]
+    assert sorted(set(tasks)) == ["math_reasoning", "mt_bench", "qa", "rag", "summarization", "translation"]
+    assert all(tasks.count(t) == 3 for t in set(tasks))
+    assert {p.split for p in prompts} == {"test"}

@@ -33,8 +33,23 @@ def check_name(group: str, name: str) -> Path:
     return path
 
 
-def _check_argv_groups(argv: list[str]) -> None:
-    """Reject `group=name` overrides whose config file does not exist, before Hydra prints a stack of its own."""
+STUDY_PREFIX = "study_"  # conf/experiment/study_*.yaml are decode studies; the other experiments train heads
+
+
+def _check_experiment_stage(name: str, config_name: str | None) -> None:
+    if config_name not in ("train", "decode"):
+        return
+    is_study = name.startswith(STUDY_PREFIX)
+    if is_study and config_name == "train":
+        raise UserError(f"experiment '{name}' is a decoding study: python -m decode +experiment={name}")
+    if not is_study and config_name == "decode":
+        raise UserError(f"experiment '{name}' trains a head: python -m train +experiment={name} "
+                        f"(decode studies: {', '.join(n for n in known_names('experiment') if n.startswith(STUDY_PREFIX))})")
+
+
+def _check_argv_groups(argv: list[str], config_name: str | None = None) -> None:
+    """Reject `group=name` overrides whose config file does not exist, before Hydra prints a stack of its own, and
+    an experiment meant for the other stage."""
     for arg in argv:
         if arg.startswith("-") or "=" not in arg:
             continue
@@ -46,6 +61,8 @@ def _check_argv_groups(argv: list[str]) -> None:
         for name in value.split(","):
             if name and name != "null" and not name.startswith("choice("):
                 check_name(key, name)
+                if key == "experiment":
+                    _check_experiment_stage(name, config_name)
 
 
 def fail(message: str) -> None:
@@ -70,7 +87,7 @@ def hydra_entry(config_name: str) -> Callable:
         @functools.wraps(task)
         def main():
             try:
-                _check_argv_groups(sys.argv[1:])
+                _check_argv_groups(sys.argv[1:], config_name)
             except UserError as err:
                 fail(str(err))
             return hydra_main()
