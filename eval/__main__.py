@@ -365,6 +365,8 @@ def run(cfg: DictConfig) -> dict:
     reports = []
     for path in tqdm(paths, desc="eval", unit="ckpt", disable=len(paths) < 2):
         bundle = load_head(path)
+        if cfg.get("threshold") is not None:  # the threshold decode runs with, when it is not the checkpoint's
+            bundle.threshold = float(cfg.threshold)
         raw = torch.load(path, map_location="cpu", weights_only=False)
         folder = Path(str(cfg.traces)) if cfg.get("traces") else default_trace_folder(path, raw, split, cfg.get("trace_root"))
         ds, manifest = load_split(folder, split)

@@ -105,6 +105,16 @@ def test_disco_report_numbers_and_plots(runs, tmp_path):
     assert "sprinter_theory" not in report
 
 
+def test_threshold_override(runs, tmp_path):
+    """threshold= replaces the checkpoint's threshold: everything-accepted at 0 (recall 1, no negatives predicted)."""
+    from eval.__main__ import run
+
+    run(eval_cfg(f"ckpt={runs['disco']}", "threshold=0.0", f"out_dir={tmp_path / 'o'}"))
+    saved = json.loads((tmp_path / "o" / "report.json").read_text())
+    assert saved["threshold"] == 0.0 and saved["recall"] == 1.0
+    assert saved["confusion"]["tn"] == 0 and saved["confusion"]["fn"] == 0
+
+
 def test_sprinter_theory_and_comparison_via_cli(runs, tmp_path, cli):
     out = tmp_path / "cmp"
     proc = cli("eval", f"ckpt=[{runs['disco']},{runs['sprinter']}]", f"out_dir={out}")
