@@ -16,8 +16,10 @@ import itertools
 import json
 import logging
 import os
+import platform
 import tempfile
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -345,6 +347,22 @@ def write_outputs(out_dir: Path, summary: dict, rows: list[dict], run_info: dict
     _atomic_write(out_dir / f"{prefix}summary.json", json.dumps(summary, indent=2))  # last: its presence = done
 
 
+def machine() -> str:
+    """CPU model and core count (and the GPU when there is one): the machine a table's numbers were measured on."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    out = f"{cpu}, {os.cpu_count()} cores"
+    if torch.cuda.is_available():
+        out += f", {torch.cuda.get_device_name(0)}"
+    return out
+
+
 def run_info(cfg: DictConfig, pair, split: str, summary: dict) -> dict:
     tuning = cfg.get("mode") == "tune" and split == str(cfg.tune.split)
     return {
@@ -354,6 +372,7 @@ def run_info(cfg: DictConfig, pair, split: str, summary: dict) -> dict:
         "max_new_tokens": int(cfg.max_new_tokens), "temperature": float(cfg.temperature), "top_p": float(cfg.top_p),
         "seed": int(cfg.seed), "device": str(pair.device), "dtype": str(pair.dtype), "batch_size": 1,
         "torch_threads": torch.get_num_threads(), "measured_c": summary["target"].get("measured_c"),
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": machine(),
         "policies": [str(p) for p in cfg.policies], "tuned": cfg.get("tuned"),
         "params": {k: v.get("params") for k, v in summary.items() if isinstance(v, dict) and v.get("params")},
     }
