@@ -164,3 +164,23 @@ def test_bad_inputs_are_one_line(runs, tmp_path, tiny_pair, cli):
         with pytest.raises(UserError, match=needle):
             run(OmegaConf.merge(cfg, {"out_dir": str(tmp_path / name.replace(" ", "_"))}))
         assert not (tmp_path / name.replace(" ", "_")).exists(), name
+
+
+def test_study_bar_check_and_report(tmp_path):
+    """eval.study computes the issue's bar from a DISCO summary (ratios, share of the static→oracle gap) and writes a
+    results README that lists missing sections as not run."""
+    from eval.study import bar_check, build
+
+    summary = {"target": {"speedup": 1.0}, "static_opt": {"speedup": 1.0}, "svip": {"speedup": 1.1},
+               "adaedl": {"speedup": 1.0}, "oracle": {"speedup": 1.4},
+               "learned:a": {"speedup": 1.2}, "learned:b": {"speedup": 1.15}}
+    bar = bar_check(summary)
+    assert bar["best_learned"] == "learned:a"
+    assert bar["vs_static_opt"] == pytest.approx(1.2) and bar["oracle_gap_closed"] == pytest.approx(0.5)
+    assert bar["passes"] == {"vs_static_opt>=1.10": True, "vs_svip>=1.05": False, "vs_adaedl>=1.05": True,
+                             "oracle_gap_closed>=0.5": True}
+    (tmp_path / "disco_mbpp").mkdir()
+    (tmp_path / "disco_mbpp" / "summary.json").write_text(json.dumps(summary))
+    text = build(tmp_path)
+    assert "does NOT meet" in text and "Not run yet." in text
+    assert json.loads((tmp_path / "disco_mbpp" / "bar.json").read_text())["best_learned"] == "learned:a"

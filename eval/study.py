@@ -1,0 +1,143 @@
+"""results/README.md from the study's result folders: every table with its command, machine, date and settings, and
+the issue's bar for the learned heads computed from results/disco_mbpp/summary.json (never typed in).
+
+    python -m eval.study            (after the study_* decode runs; see the commands in the written file)
+
+A section whose folder is missing is listed as "not run" with its command, so the file says what is absent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from utils.cli import UserError, fail
+
+REPO = Path(__file__).resolve().parent.parent
+
+# (folder under results/, title, command, tables shown (files in the folder), plots)
+SECTIONS = [
+    ("disco_mbpp", "1. DISCO table — MBPP test (greedy)", "python -m decode +experiment=study_disco_mbpp",
+     ["summary.md"], ["speedup.png", "acceptance_by_position.png"]),
+    ("disco_humaneval", "1b. HumanEval transfer (heads and parameters from MBPP)",
+     "python -m decode +experiment=study_disco_humaneval", ["summary.md"], ["speedup.png"]),
+    ("specbench_greedy", "2. Spec-Bench per task — greedy", "python -m decode +experiment=study_specbench",
+     ["by_task.md", "summary.md"], ["speedup.png"]),
+    ("specbench_t1", "2b. Spec-Bench per task — temperature 1.0", "python -m decode +experiment=study_specbench_t1",
+     ["by_task.md", "summary.md"], ["speedup.png"]),
+    ("temperature", "3. Sampling robustness — speedup vs temperature (MBPP test)",
+     "python -m decode -m +experiment=study_temperature temperature=0.7,1.0,1.3 && python -m eval.collect "
+     "results/temperature/t0.7 results/temperature/t1.0 results/temperature/t1.3 --by temperature --out "
+     "results/temperature", ["collect.md"], ["collect.png"]),
+    ("k_sweep", "4. How speculative — speedup vs constant K, measured and predicted (MBPP test)",
+     "python -m decode +experiment=study_k_sweep && python -m eval.k_sweep results/k_sweep", ["k_sweep.md"],
+     ["k_sweep.png"]),
+    ("draft_scale", "4b. Draft scale — 2-, 4- and 6-layer students (MBPP test)",
+     "python -m decode -m +experiment=study_draft_scale student=2layer,4layer,6layer && python -m eval.collect "
+     "results/draft_scale/2layer results/draft_scale/4layer results/draft_scale/6layer --by draft.weights "
+     "--out results/draft_scale", ["collect.md"], ["collect.png"]),
+    ("sprinter", "5. SPRINTER — approximate verification vs exact SD (Spec-Bench summarization)",
+     "python -m decode +experiment=study_sprinter", ["summary.md"], []),
+    ("sprinter_theory", "5b. SPRINTER — predicted TVD (ε·TVD, verifier test traces)",
+     "python -m eval ckpt=[results/heads/sprinter_tau1.ckpt,results/heads/sprinter_tau1.2.ckpt,"
+     "results/heads/sprinter_tau1.5.ckpt] threshold=0.5 out_dir=results/sprinter_theory", ["report.md"], []),
+    ("qwen_selfdraft", "6. Expensive draft — Qwen2.5-Coder-1.5B self-draft (MBPP test)",
+     "python -m decode +experiment=study_qwen", ["summary.md"], ["speedup.png"]),
+]
+
+
+def bar_check(summary: dict) -> dict:
+    """The issue's bar on MBPP test: best learned head vs static K-opt, SVIP, AdaEDL, and the static→oracle gap."""
+    heads = {k: v for k, v in summary.items() if k.startswith("learned")}
+    need = [k for k in ("static_opt", "svip", "adaedl", "oracle") if k not in summary]
+    if not heads or need:
+        raise UserError(f"results/disco_mbpp/summary.json lacks {need or 'a learned:* row'}; rerun study_disco_mbpp")
+    best = max(heads, key=lambda k: heads[k]["speedup"])
+    s = {k: summary[k]["speedup"] for k in ("static_opt", "svip", "adaedl", "oracle")}
+    b = heads[best]["speedup"]
+    gap = s["oracle"] - s["static_opt"]
+    out = {
+        "best_learned": best, "best_learned_speedup": b, **{f"{k}_speedup": v for k, v in s.items()},
+        "vs_static_opt": b / s["static_opt"], "vs_svip": b / s["svip"], "vs_adaedl": b / s["adaedl"],
+        "oracle_gap_closed": (b - s["static_opt"]) / gap if gap > 0 else float("nan"),
+    }
+    out["passes"] = {"vs_static_opt>=1.10": out["vs_static_opt"] >= 1.10, "vs_svip>=1.05": out["vs_svip"] >= 1.05,
+                     "vs_adaedl>=1.05": out["vs_adaedl"] >= 1.05, "oracle_gap_closed>=0.5": out["oracle_gap_closed"] >= 0.5}
+    return out
+
+
+def _settings(run: dict) -> str:
+    keys = [("dataset", "dataset"), ("split", "split"), ("limit", "prompts"), ("max_new_tokens", "new tokens"),
+            ("temperature", "T"), ("dtype", "dtype"), ("torch_threads", "threads"), ("measured_c", "measured c")]
+    parts = []
+    for k, label in keys:
+        if run.get(k) is not None:
+            v = run[k]
+            parts.append(f"{label} {v:.3f}" if isinstance(v, float) and k == "measured_c" else f"{label} {v}")
+    where = ", ".join(x for x in (run.get("machine"), run.get("date")) if x)
+    return "; ".join(parts) + (f" — {where}" if where else "")
+
+
+def build(results: Path) -> str:
+    lines = ["# Study results", "",
+             "Written by `python -m eval.study` from the folders below; every table is the output of the command above "
+             "it (decode writes summary.json/summary.md, the analysis commands the rest). Speedup = tokens/s ÷ target-"
+             "only tokens/s measured in the same process on the same prompts (prefill included); ± = std of per-prompt "
+             "speedups. Oracle rows read the target-only output: an upper bound, not a method. Heads: "
+             "`results/heads/` (see `results/heads/*.results.json` for their test metrics and training data).", ""]
+    disco = results / "disco_mbpp" / "summary.json"
+    if disco.is_file():
+        bar = bar_check(json.loads(disco.read_text()))
+        (results / "disco_mbpp" / "bar.json").write_text(json.dumps(bar, indent=2))
+        verdict = "meets" if all(bar["passes"].values()) else "does NOT meet"
+        lines += ["## The bar (MBPP test, default pair, CPU)", "",
+                  f"Best learned head `{bar['best_learned']}`: {bar['best_learned_speedup']:.2f}× — "
+                  f"{bar['vs_static_opt']:.2f}× static K-opt ({bar['static_opt_speedup']:.2f}×; bar ≥ 1.10), "
+                  f"{bar['vs_svip']:.2f}× SVIP ({bar['svip_speedup']:.2f}×; bar ≥ 1.05), "
+                  f"{bar['vs_adaedl']:.2f}× AdaEDL ({bar['adaedl_speedup']:.2f}×; bar ≥ 1.05); it closes "
+                  f"{100 * bar['oracle_gap_closed']:.0f}% of the gap from static K-opt to the oracle "
+                  f"({bar['oracle_speedup']:.2f}×; bar ≥ 50%). The head **{verdict}** the bar "
+                  "(results/disco_mbpp/bar.json).", ""]
+    for folder, title, command, tables, plots in SECTIONS:
+        d = results / folder
+        lines += [f"## {title}", "", f"`{command}`", ""]
+        if not d.is_dir():
+            lines += ["Not run yet.", ""]
+            continue
+        run_json = d / "run.json"
+        if not run_json.is_file():
+            sub = sorted(d.glob("*/run.json"))
+            run_json = sub[0] if sub else run_json
+        if run_json.is_file():
+            lines += [f"Settings: {_settings(json.loads(run_json.read_text()))}", ""]
+        tuned = d / "tuned.json"
+        if tuned.is_file():
+            chosen = json.loads(tuned.read_text())["chosen"]
+            lines += ["Chosen on validation: " + "; ".join(f"{k} {v}" for k, v in chosen.items() if v), ""]
+        for t in tables:
+            if (d / t).is_file():
+                lines += [(d / t).read_text().strip().replace("### ", "#### "), ""]
+        for p in plots:
+            if (d / p).is_file():
+                lines += [f"![{folder} {p}]({folder}/{p})", ""]
+        notes = d / "NOTES.md"
+        if notes.is_file():
+            lines += [notes.read_text().strip(), ""]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--results", type=Path, default=REPO / "results")
+    args = ap.parse_args()
+    text = build(args.results)
+    (args.results / "README.md").write_text(text)
+    print(f"wrote {args.results / 'README.md'}")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except UserError as err:
+        fail(str(err))
