@@ -100,9 +100,18 @@ def apply_tuned(methods: list[Method], path: Path) -> list[Method]:
         chosen = json.loads(path.read_text())["chosen"]
     except (ValueError, KeyError, TypeError):
         raise UserError(f"tuned={path} is not a tuned.json from `python -m decode mode=tune`") from None
-    if not any(m.key in chosen for m in methods):
+    def lookup(m: Method) -> dict | None:
+        # a head is `learned` when listed alone and `learned:<file stem>` beside another head: accept either
+        name, ckpt = parse_spec(m.spec)
+        for key in (m.key, f"{name}:{Path(ckpt).stem}" if ckpt else None):
+            if key in chosen:
+                return chosen[key]
+        return None
+
+    found = {m.key: lookup(m) for m in methods}
+    if not any(v is not None for v in found.values()):
         raise UserError(f"tuned={path} tunes {sorted(chosen)}, none of this run's methods {[m.key for m in methods]}")
-    return [Method(m.key, m.spec, {**m.params, **chosen.get(m.key, {})}) for m in methods]
+    return [Method(m.key, m.spec, {**m.params, **(found[m.key] or {})}) for m in methods]
 
 
 def tokenize_prompts(pair, prompts, max_new_tokens: int) -> list[list[int]]:

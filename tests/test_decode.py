@@ -405,3 +405,16 @@ def test_collect_runs_by_a_setting(tmp_path, tiny_pair):
         collect([tmp_path / "0.0", tmp_path / "0.0"], "temperature")
     with pytest.raises(UserError, match="no field"):
         collect([tmp_path / "0.0"], "nope")
+
+
+def test_tuned_matches_a_lone_head_by_file_stem(tmp_path):
+    """A head tuned beside another (key learned:<stem>) keeps its threshold when a later run lists it alone (key
+    learned); a head the file does not name keeps its own."""
+    from decode.runner import Method, apply_tuned
+
+    f = tmp_path / "tuned.json"
+    f.write_text(json.dumps({"chosen": {"learned:disco_mbpp": {"threshold": 0.6}, "svip": {"h": 0.4}}}))
+    out = apply_tuned([Method("learned", "learned:results/heads/disco_mbpp.ckpt", {"threshold": None}),
+                       Method("sprinter", "sprinter:x/other.ckpt", {"threshold": 0.5}),
+                       Method("svip", "svip", {"h": 0.3})], f)
+    assert [m.params for m in out] == [{"threshold": 0.6}, {"threshold": 0.5}, {"h": 0.4}]
