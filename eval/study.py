@@ -1,5 +1,6 @@
 """results/README.md from the study's result folders: every table with its command, machine, date and settings, and
-the issue's bar for the learned heads computed from results/disco_mbpp/summary.json (never typed in).
+the issue's bar for the learned heads computed from results/disco_mbpp/summary.json (never typed in); the same
+DISCO table and verdict fill the marked study block of the top-level README.
 
     python -m eval.study            (after the study_* decode runs; see the commands in the written file)
 
@@ -127,13 +128,48 @@ def build(results: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+BEGIN, END = "<!-- study:begin (python -m eval.study) -->", "<!-- study:end -->"
+
+
+def headline(results: Path) -> str:
+    """The block eval.study keeps in the top-level README: the DISCO table and the bar, linking the rest."""
+    d = results / "disco_mbpp"
+    if not (d / "summary.md").is_file():
+        return "The study has not been run yet: see results/README.md for the commands.\n"
+    bar = bar_check(json.loads((d / "summary.json").read_text()))
+    run = json.loads((d / "run.json").read_text()) if (d / "run.json").is_file() else {}
+    verdict = "meets" if all(bar["passes"].values()) else "does **not** meet"
+    return "\n".join([
+        f"**DISCO table, MBPP test** (`python -m decode +experiment=study_disco_mbpp`; {_settings(run)}). Parameters "
+        "and head thresholds chosen for speed on MBPP validation (`results/disco_mbpp/tuned.json`).", "",
+        (d / "summary.md").read_text().strip().replace("### ", "#### "), "",
+        f"Best learned head `{bar['best_learned']}` {bar['best_learned_speedup']:.2f}×: {bar['vs_static_opt']:.2f}× "
+        f"static K-opt, {bar['vs_svip']:.2f}× SVIP, {bar['vs_adaedl']:.2f}× AdaEDL, "
+        f"{100 * bar['oracle_gap_closed']:.0f}% of the static-to-oracle gap closed — it {verdict} the issue's bar "
+        "(≥ 1.10×, ≥ 1.05×, ≥ 1.05×, ≥ 50%).", "",
+        "Every other study table (HumanEval transfer, Spec-Bench per task greedy and T=1, temperature sweep, K sweep "
+        "vs prediction, draft scale, SPRINTER τ, Qwen expensive draft) with its command, machine and date: "
+        "[results/README.md](results/README.md).", ""])
+
+
+def update_readme(readme: Path, block: str) -> None:
+    text = readme.read_text()
+    if BEGIN not in text or END not in text:
+        raise UserError(f"{readme} has no {BEGIN} … {END} block to fill")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    readme.write_text(head + BEGIN + "\n" + block + END + tail)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", type=Path, default=REPO / "results")
+    ap.add_argument("--readme", type=Path, default=REPO / "README.md", help="top-level README with the study block")
     args = ap.parse_args()
     text = build(args.results)
     (args.results / "README.md").write_text(text)
-    print(f"wrote {args.results / 'README.md'}")
+    update_readme(args.readme, headline(args.results))
+    print(f"wrote {args.results / 'README.md'} and the study block of {args.readme}")
 
 
 if __name__ == "__main__":

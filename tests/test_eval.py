@@ -184,3 +184,17 @@ def test_study_bar_check_and_report(tmp_path):
     text = build(tmp_path)
     assert "does NOT meet" in text and "Not run yet." in text
     assert json.loads((tmp_path / "disco_mbpp" / "bar.json").read_text())["best_learned"] == "learned:a"
+
+
+def test_study_block_in_readme(tmp_path):
+    """eval.study rewrites only the marked block of the top-level README; a README without it is a user error."""
+    from eval.study import BEGIN, END, update_readme
+    from utils.cli import UserError
+
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{BEGIN}\nold\n{END}\noutro\n")
+    update_readme(readme, "new table\n")
+    assert readme.read_text() == f"intro\n{BEGIN}\nnew table\n{END}\noutro\n"
+    readme.write_text("no block")
+    with pytest.raises(UserError, match="block"):
+        update_readme(readme, "x")
