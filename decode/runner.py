@@ -155,7 +155,10 @@ def run_split(cfg: DictConfig, pair, split: str, methods: list[Method], desc: st
     from data_gen.prompts import load_prompts
 
     limit = cfg.get("limit") if limit == "cfg" else limit
-    prompts = load_prompts(cfg.dataset, split, None if limit is None else int(limit))
+    dataset = cfg.dataset
+    if split == str(cfg.tune.split) and cfg.get("mode") == "tune" and cfg.tune.get("dataset"):
+        dataset = OmegaConf.merge(dataset, cfg.tune.dataset)  # e.g. one prompt per Spec-Bench task for tuning
+    prompts = load_prompts(dataset, split, None if limit is None else int(limit))
     max_new, temp, top_p, seed = int(cfg.max_new_tokens), float(cfg.temperature), float(cfg.top_p), int(cfg.seed)
     greedy = temp == 0
     ids = tokenize_prompts(pair, prompts, max_new)

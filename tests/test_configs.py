@@ -96,3 +96,16 @@ def _has_optuna_sweeper() -> bool:
 def test_optuna_search_composes():
     cfg = compose_train("+experiment=disco_mbpp", "hparams_search=disco_optuna")
     assert cfg.optimized_metric == "val/auroc" and cfg.hydra.sweeper.direction == "maximize"
+
+
+def test_specbench_study_tunes_on_one_prompt_per_task():
+    from hydra import compose as hcompose
+    from omegaconf import OmegaConf
+
+    from data_gen.prompts import load_prompts
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = hcompose("decode", overrides=["+experiment=study_specbench"])
+    tune_set = load_prompts(OmegaConf.merge(cfg.dataset, cfg.tune.dataset), "validation", cfg.tune.limit)
+    assert sorted(p.meta["task"] for p in tune_set) == sorted(
+        ["mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag"])
