@@ -199,6 +199,7 @@ def generate(cfg: DictConfig, split: str, pair=None) -> Path:
             "config": store.hash_payload(cfg),
             "pair_id": pair.pair_id,
             "tokenizer_hash": pair.tokenizer_hash,
+            "dtype": str(pair.dtype).replace("torch.", ""),  # what dtype=auto resolved to on this machine
             "code_version": store.code_version(),
             "trace_kind": str(cfg.trace.kind),
             "split": split,

@@ -128,3 +128,19 @@ def test_unreachable_hub_id_is_one_clear_error(monkeypatch):
     cfg.device = "cpu"
     with pytest.raises(UserError, match="cannot load model 'openai-community/gpt2-xl'.*local directory"):
         load_pair(cfg)
+
+
+def test_dtype_auto_resolves_per_device(monkeypatch):
+    """dtype=auto: bf16 on CUDA (fp16 without bf16 support); on CPU bf16 only if the probe finds it fast, else fp32;
+    a misspelt dtype is a one-line error that lists auto."""
+    import models.pair as mp
+
+    monkeypatch.setattr(mp, "cpu_bf16_is_fast", lambda: False)
+    assert mp.resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    monkeypatch.setattr(mp, "cpu_bf16_is_fast", lambda: True)
+    assert mp.resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
+    assert mp.resolve_dtype("auto", torch.device("cuda")) == torch.float16
+    assert mp.resolve_dtype("float32") == torch.float32
+    with pytest.raises(UserError, match="known: auto, bfloat16"):
+        mp.resolve_dtype("bf16")
