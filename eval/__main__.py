@@ -172,6 +172,19 @@ def sprinter_report(cols: dict, scores: np.ndarray, threshold: float, starts: np
     return out
 
 
+def baseline_auroc(cols: dict, y: np.ndarray) -> dict:
+    """AUROC of the training-free policies' scores on the same rows and labels: what the head must beat.
+    max q is max-confidence's score; −H_q is SVIP's and AdaEDL's (both stop on a monotone function of entropy)."""
+    from eval.metrics import classification_metrics
+
+    out = {}
+    if "draft_topk" in cols:
+        out["max_q"] = classification_metrics(np.asarray(cols["draft_topk"], dtype=np.float64)[:, 0], y, 0.5)["auroc"]
+    if "draft_entropy" in cols:
+        out["neg_entropy"] = classification_metrics(-np.asarray(cols["draft_entropy"], dtype=np.float64), y, 0.5)["auroc"]
+    return out
+
+
 def evaluate(bundle, ds, manifest: dict, folder: Path) -> dict:
     """Every item-1 number (and item 3 for SPRINTER heads) for one checkpoint on one loaded trace split."""
     from data_gen.labels import make_labels
@@ -230,6 +243,7 @@ def evaluate(bundle, ds, manifest: dict, folder: Path) -> dict:
         "f1_static_best": static["f1_static_best"],
         "k_static_best": static["k_best"],
         "curves": roc_pr_points(scores, y),
+        "baseline_auroc": baseline_auroc(cols, y),
     }
     if bundle.kind == "sprinter" and all(c in cols for c in ("q_draft", "p_draft", "tvd")):
         trace_cfg = (manifest.get("config") or {}).get("trace") or {}
@@ -275,6 +289,12 @@ def markdown(reports: list[dict], names: list[str]) -> str:
               "|---|" + "---|" * len(buckets)]
     for n, r in zip(names, reports):
         lines.append(f"| {n} | " + " | ".join(_fmt(r["per_position_auroc"].get(b)) for b in buckets) + " |")
+    if any(r.get("baseline_auroc") for r in reports):
+        lines += ["", "Training-free scores on the same rows (AUROC): max q = max-confidence, −H_q = SVIP / AdaEDL:", "",
+                  "| checkpoint | head | max q | −H_q |", "|---|---|---|---|"]
+        for n, r in zip(names, reports):
+            b = r.get("baseline_auroc") or {}
+            lines.append(f"| {n} | {_fmt(r['auroc'])} | {_fmt(b.get('max_q'))} | {_fmt(b.get('neg_entropy'))} |")
     for n, r in zip(names, reports):
         conf = r["confusion"]
         lines.append(f"\n{n}: confusion at thr {r['threshold']:.3f}: tp {conf['tp']} fp {conf['fp']} tn {conf['tn']} fn {conf['fn']}; traces {r['traces']}")
@@ -378,7 +398,7 @@ def run(cfg: DictConfig) -> dict:
     report: dict = {"split": split, "names": names, "checkpoints": reports}
     keys = ("auroc", "ap", "f1", "threshold", "ece", "per_position_auroc", "f1_static_best", "precision", "recall",
             "confusion", "best_f1_threshold", "best_f1", "best_f1_precision", "best_f1_recall", "best_f1_confusion",
-            "k_static_best", "rows", "kind", "ckpt", "traces")
+            "k_static_best", "rows", "kind", "ckpt", "traces", "baseline_auroc")
     if len(reports) == 1:
         report.update({k: reports[0][k] for k in keys})
         if "sprinter_theory" in reports[0]:

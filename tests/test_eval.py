@@ -80,7 +80,7 @@ def independent_auroc(ckpt, root):
     cols = trace_columns(ds, ds.column_names)
     y = make_labels(cols, OmegaConf.create(bundle.labels))
     s = bundle.prob(features_from_columns(cols, bundle.spec)).numpy()
-    return roc_auc_score(y >= 0.5, s), len(y)
+    return roc_auc_score(y >= 0.5, s), len(y), roc_auc_score(y >= 0.5, -np.asarray(cols["draft_entropy"]))
 
 
 def test_disco_report_numbers_and_plots(runs, tmp_path):
@@ -92,9 +92,12 @@ def test_disco_report_numbers_and_plots(runs, tmp_path):
     for key in ("auroc", "ap", "f1", "threshold", "ece", "per_position_auroc", "f1_static_best", "precision", "recall",
                 "confusion", "best_f1_threshold", "best_f1"):
         assert key in saved, key
-    auroc, rows = independent_auroc(runs["disco"], runs["root"])
+    auroc, rows, entropy_auroc = independent_auroc(runs["disco"], runs["root"])
     assert saved["rows"] == rows
     assert saved["auroc"] == pytest.approx(auroc, abs=1e-9)
+    # the training-free score the head must beat, on the same rows (SVIP/AdaEDL stop on entropy)
+    assert saved["baseline_auroc"]["neg_entropy"] == pytest.approx(entropy_auroc, abs=1e-9)
+    assert "−H_q" in (out / "report.md").read_text()
     c = saved["confusion"]
     assert c["tp"] + c["fp"] + c["tn"] + c["fn"] == rows
     assert saved["best_f1"] >= saved["f1"] - 1e-12  # the best-F1 threshold is at least as good on the same rows
