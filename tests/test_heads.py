@@ -179,3 +179,9 @@ def test_export_keeps_only_what_decode_reads(tmp_path):
     x = torch.randn(3, 12)
     torch.testing.assert_close(again.prob(x), bundle.prob(x))
     assert again.threshold == 0.4 and (tmp_path / "out" / "h.results.json").is_file()
+    assert "traces" not in torch.load(dst, weights_only=False)[CKPT_KEY]  # no run config → nothing to record
+    # with the run's config, the copy records its trace folders, so eval finds them after logs/ is gone
+    (run.parent / ".hydra").mkdir()
+    (run.parent / ".hydra" / "config.yaml").write_text("trace_dirs: {train: tr, validation: va, test: te}\n")
+    dst = export(run / "best.ckpt", tmp_path / "out" / "h2.ckpt")
+    assert torch.load(dst, weights_only=False)[CKPT_KEY]["traces"] == {"train": "tr", "validation": "va", "test": "te"}

@@ -4,7 +4,9 @@
 
 The copy keeps exactly what `models.heads.load_head` reads (the `specstop` entry and the head's weights), so decode
 and eval use it like the original; a SpecDec++ checkpoint shrinks from ~12 MB to ~4 MB. The run's results.json (test
-metrics, threshold, data) is written next to it as <name>.results.json.
+metrics, threshold, data) is written next to it as <name>.results.json. The trace folders the head was trained and
+tested on are recorded in the copy (`specstop.traces`), so `python -m eval ckpt=<copy>` finds them once the run's
+logs are gone.
 """
 
 from __future__ import annotations
@@ -16,14 +18,19 @@ from pathlib import Path
 
 import torch
 
+from eval.__main__ import default_trace_folder, training_config
 from models.heads import CKPT_KEY, load_head
+from train.__main__ import SPLITS
 from utils.cli import UserError, fail
 
 
 def export(src: Path, dst: Path) -> Path:
     load_head(src)  # refuses anything that is not a head checkpoint, with one line
     ckpt = torch.load(src, map_location="cpu", weights_only=False)
-    slim = {CKPT_KEY: ckpt[CKPT_KEY], "state_dict": {k: v for k, v in ckpt["state_dict"].items() if k.startswith("head.")}}
+    meta = dict(ckpt[CKPT_KEY])
+    if training_config(src) is not None:
+        meta["traces"] = {split: str(default_trace_folder(src, ckpt, split, None)) for split in SPLITS}
+    slim = {CKPT_KEY: meta, "state_dict": {k: v for k, v in ckpt["state_dict"].items() if k.startswith("head.")}}
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_name(dst.name + ".tmp")
     torch.save(slim, tmp)
