@@ -144,8 +144,7 @@ def summarize(rows: list[dict], target_rows: list[dict], c: float, greedy: bool,
         out["token_agreement"] = float(np.mean([r.get("token_agreement", 0.0) for r in rows]))
         out["prefix_match"] = float(np.mean([r.get("prefix_match", 0) for r in rows]))
         for key in ("rouge_l_ref", "rouge_l_target"):
-            vals = [r[key] for r in rows if r.get(key) is not None]
-            out[key] = float(np.mean(vals)) if vals else None
+            out[key] = _mean_or_none([r.get(key) for r in rows])
     return out
 
 
@@ -168,4 +167,11 @@ def target_summary(target_rows: list[dict]) -> dict:
         "n_prompts": len(target_rows),
         "new_tokens": tokens,
         "wall_s": wall,
+        # the quality an exact policy reaches (it emits the target's tokens): the baseline for approximate ones
+        "rouge_l_ref": _mean_or_none([r.get("rouge_l_ref") for r in target_rows]),
     }
+
+
+def _mean_or_none(vals: list) -> float | None:
+    vals = [v for v in vals if v is not None]
+    return float(np.mean(vals)) if vals else None

@@ -184,6 +184,8 @@ def run_split(cfg: DictConfig, pair, split: str, methods: list[Method], desc: st
         rows.append({"method": "target", "prompt_id": prompt.prompt_id, **metrics.record(ref, None),
                      "tokens": ref.tokens, "text": ref_text, **({"task": prompt.meta["task"]}
                                                                 if prompt.meta.get("task") else {})})
+        if prompt.reference and any(p.approximate for p in policies.values()):
+            rows[-1]["rouge_l_ref"] = metrics.rouge_l(ref_text, prompt.reference)
         for m in methods:
             pol = policies[m.key]
             res = _run_method(pol, pair, prompt_ids, max_new, temp, top_p, eos, _gen(seed * 100003 + i),
@@ -277,6 +279,9 @@ def markdown_table(summary: dict, title: str = "") -> str:
     if approx:
         lines += ["", "| approximate method | target calls saved | unchecked tokens | TVD est. | token agreement | "
                   "ROUGE-L vs ref | ROUGE-L vs target |", "|---|---|---|---|---|---|---|"]
+        base = summary.get("target", {})
+        lines.append("| target-only (= exact SD) | 0.000 | 0.000 | 0.000 | 1.000 | "
+                     f"{_fmt(base.get('rouge_l_ref'))} | 1.000 |")
         for k, s in approx.items():
             lines.append(f"| {k} | " + " | ".join(_fmt(s.get(x)) for x in (
                 "target_calls_saved_frac", "unchecked_frac", "tvd_est", "token_agreement", "rouge_l_ref",

@@ -221,6 +221,9 @@ def test_sampling_and_sprinter_summary(tmp_path, tiny_pair):
     assert s["adaedl"]["lossless"] is None  # sampling: judged by the distribution tests, not token equality
     assert s["sprinter"]["approximate"] is True and s["sprinter"]["lossless"] is None
     assert {"tvd_est", "rouge_l_ref", "token_agreement", "target_calls_saved_frac"} <= set(s["sprinter"])
+    # MBPP prompts carry reference code: target-only quality is the baseline row of the approximate table
+    assert 0 <= s["target"]["rouge_l_ref"] <= 1
+    assert "| target-only (= exact SD) | 0.000 |" in (out / "summary.md").read_text()
 
 
 def test_cli_bad_input_one_line(cli, tmp_path):
@@ -405,6 +408,7 @@ def test_collect_runs_by_a_setting(tmp_path, tiny_pair):
         collect([tmp_path / "0.0", tmp_path / "0.0"], "temperature")
     with pytest.raises(UserError, match="no field"):
         collect([tmp_path / "0.0"], "nope")
+    assert collect([tmp_path / "0.7", tmp_path / "0.0"], "dir")["values"] == ["0.0", "0.7"]  # folder names
 
 
 def test_tuned_matches_a_lone_head_by_file_stem(tmp_path):
