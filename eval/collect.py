@@ -3,7 +3,8 @@
     python -m eval.collect results/temperature/t* --by temperature --out results/temperature
     python -m eval.collect results/k_sweep results/k_sweep_2layer --by draft --metric cost_model_speedup --out DIR
 
-Each run folder holds decode's summary.json and run.json; `--by` names a run.json field (dotted for nested ones).
+Each run folder holds decode's summary.json and run.json; `--by` names a run.json field (dotted for nested ones), or
+`dir` for the run folder's own name (when the setting that differs is a path, e.g. the draft's weights file).
 Writes <out>/collect.json ({method: {value: metrics}}), collect.md (method × value, metric ± spread over prompts)
 and collect.png (metric vs value, one line per method). Methods absent from a run are left blank.
 """
@@ -34,9 +35,9 @@ def collect(run_dirs: list[Path], by: str, metric: str = "speedup") -> dict:
         if not summary_path.is_file() or not info_path.is_file():
             raise UserError(f"{d} is not a finished decode run (summary.json and run.json missing)")
         try:
-            value = _field(json.loads(info_path.read_text()), by)
+            value = d.resolve().name if by == "dir" else _field(json.loads(info_path.read_text()), by)
         except KeyError:
-            raise UserError(f"{info_path} has no field '{by}'; pick one of its keys with --by") from None
+            raise UserError(f"{info_path} has no field '{by}'; pick one of its keys with --by, or --by dir") from None
         values.append(value)
         for method, s in json.loads(summary_path.read_text()).items():
             if method == "target":
@@ -103,7 +104,7 @@ def _is_number(v: str) -> bool:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("runs", nargs="+", type=Path)
-    ap.add_argument("--by", required=True, help="run.json field that differs between the runs (dotted if nested)")
+    ap.add_argument("--by", required=True, help="run.json field that differs between the runs (dotted if nested), or dir (the folder name)")
     ap.add_argument("--metric", default="speedup")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()

@@ -23,6 +23,15 @@ SECTIONS = [
      ["summary.md"], ["speedup.png", "acceptance_by_position.png"]),
     ("disco_humaneval", "1b. HumanEval transfer (heads and parameters from MBPP)",
      "python -m decode +experiment=study_disco_humaneval", ["summary.md"], ["speedup.png"]),
+    ("disco_mbpp_rerun", "1c. Reproducibility — three rows of table 1 rerun in a fresh process",
+     "python -m decode +experiment=study_disco_mbpp mode=run tuned=results/disco_mbpp/tuned.json "
+     "\"policies=[static_opt,svip,learned:results/heads/disco_mbpp.ckpt]\" out_dir=results/disco_mbpp_rerun",
+     ["summary.md"], []),
+    ("heads_eval_mbpp", "1d. The MBPP heads as classifiers on test traces, next to the training-free scores",
+     "python -m data_gen pair=smollm2_135m dataset=mbpp trace=target_ar trace.max_new_tokens=64 trace.store_hidden=true "
+     "split=test limit=48 && python -m eval ckpt=[results/heads/disco_mbpp.ckpt,results/heads/specdecpp_mbpp.ckpt] "
+     "traces=traces/smollm2_135m--mbpp--target_ar-t0-p1-n64-s0-h--test-lim48 out_dir=results/heads_eval_mbpp",
+     ["report.md"], ["roc.png", "per_position_auroc.png"]),
     ("specbench_greedy", "2. Spec-Bench per task — greedy", "python -m decode +experiment=study_specbench",
      ["by_task.md", "summary.md"], ["speedup.png"]),
     ("specbench_t1", "2b. Spec-Bench per task — temperature 1.0", "python -m decode +experiment=study_specbench_t1",
@@ -36,13 +45,16 @@ SECTIONS = [
      ["k_sweep.png"]),
     ("draft_scale", "4b. Draft scale — 2-, 4- and 6-layer students (MBPP test)",
      "python -m decode -m +experiment=study_draft_scale student=2layer,4layer,6layer && python -m eval.collect "
-     "results/draft_scale/2layer results/draft_scale/4layer results/draft_scale/6layer --by draft.weights "
+     "results/draft_scale/2layer results/draft_scale/4layer results/draft_scale/6layer --by dir "
      "--out results/draft_scale", ["collect.md"], ["collect.png"]),
     ("sprinter", "5. SPRINTER — approximate verification vs exact SD (Spec-Bench summarization)",
      "python -m decode +experiment=study_sprinter", ["summary.md"], []),
-    ("sprinter_theory", "5b. SPRINTER — predicted TVD (ε·TVD, verifier test traces)",
-     "python -m eval ckpt=[results/heads/sprinter_tau1.ckpt,results/heads/sprinter_tau1.2.ckpt,"
-     "results/heads/sprinter_tau1.5.ckpt] threshold=0.5 out_dir=results/sprinter_theory", ["report.md"], []),
+    ("sprinter_theory", "5b. SPRINTER — predicted TVD (ε·TVD) on the verifiers' WikiText-2 test traces",
+     "python -m data_gen pair=smollm2_135m dataset=wikitext2 trace=interleaved trace.max_new_tokens=64 split=test "
+     "limit=48 && python -m eval ckpt=[results/heads/sprinter_tau1.ckpt,results/heads/sprinter_tau1.2.ckpt,"
+     "results/heads/sprinter_tau1.5.ckpt] threshold=0.5 "
+     "traces=traces/smollm2_135m--wikitext2--interleaved-t0-p1-n64-s0-h--test-lim48 out_dir=results/sprinter_theory",
+     ["report.md"], ["roc.png"]),
     ("qwen_selfdraft", "6. Expensive draft — Qwen2.5-Coder-1.5B self-draft (MBPP test)",
      "python -m decode +experiment=study_qwen", ["summary.md"], ["speedup.png"]),
 ]
