@@ -23,7 +23,7 @@ SECTIONS = [
      ["summary.md"], ["speedup.png", "acceptance_by_position.png"]),
     ("disco_humaneval", "1b. HumanEval transfer (heads and parameters from MBPP)",
      "python -m decode +experiment=study_disco_humaneval", ["summary.md"], ["speedup.png"]),
-    ("disco_mbpp_rerun", "1c. Reproducibility — three rows of table 1 rerun in a fresh process",
+    ("disco_mbpp_rerun", "1c. Three rows of table 1 rerun on another CPU (2-core AMD EPYC, no native bf16, so float32)",
      "python -m decode +experiment=study_disco_mbpp mode=run tuned=results/disco_mbpp/tuned.json "
      "\"policies=[static_opt,svip,learned:results/heads/disco_mbpp.ckpt]\" out_dir=results/disco_mbpp_rerun",
      ["summary.md"], []),
@@ -32,6 +32,9 @@ SECTIONS = [
      "split=test limit=48 && python -m eval ckpt=[results/heads/disco_mbpp.ckpt,results/heads/specdecpp_mbpp.ckpt] "
      "traces=traces/smollm2_135m--mbpp--target_ar-t0-p1-n64-s0-h--test-lim48 out_dir=results/heads_eval_mbpp",
      ["report.md"], ["roc.png", "per_position_auroc.png"]),
+    ("disco_mbpp_gpu", "1e. Table 1 on an H100 (bf16; parameters and thresholds from the CPU tuning above)",
+     "python -m decode +experiment=study_disco_mbpp mode=run tuned=results/disco_mbpp/tuned.json threads=null "
+     "out_dir=results/disco_mbpp_gpu", ["summary.md"], ["speedup.png"]),
     ("specbench_greedy", "2. Spec-Bench per task — greedy", "python -m decode +experiment=study_specbench",
      ["by_task.md", "summary.md"], ["speedup.png"]),
     ("specbench_t1", "2b. Spec-Bench per task — temperature 1.0", "python -m decode +experiment=study_specbench_t1",
