@@ -181,6 +181,12 @@ def generate(cfg: DictConfig, split: str, pair=None) -> Path:
                 f"traces at {folder} were made with tokenizer {manifest.get('tokenizer_hash')} but pair {pair.name} now has "
                 f"{pair.tokenizer_hash}; rerun with overwrite=true to regenerate them"
             )
+        dtype = str(pair.dtype).replace("torch.", "")
+        if manifest.get("dtype", dtype) != dtype:  # dtype=auto can resolve differently on another machine
+            raise UserError(
+                f"traces at {folder} were started in {manifest['dtype']} but this machine resolves pair.dtype to {dtype}; "
+                f"pass pair.dtype={manifest['dtype']} to resume them, or overwrite=true to regenerate"
+            )
         if manifest.get("num_shards_planned") != n_planned:
             raise UserError(f"{folder} plans {manifest.get('num_shards_planned')} shards but this run {n_planned}; rerun with overwrite=true")
     else:

@@ -130,6 +130,19 @@ def test_changed_config_is_refused_unless_overwrite(tmp_path, tiny_pair):
     assert manifest["config"]["pair"]["target"]["initializer_range"] == 0.3
 
 
+def test_resume_refuses_traces_started_in_another_dtype(tmp_path, tiny_pair):
+    """pair.dtype=auto can resolve differently on another machine: a folder started in bf16 is not continued in fp32."""
+    import json
+
+    folder = generate(make_cfg(tmp_path, "limit=2"), "train", tiny_pair)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["dtype"] == "float32"
+    manifest.update(complete=False, dtype="bfloat16")
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(UserError, match="pair.dtype=bfloat16 to resume"):
+        generate(make_cfg(tmp_path, "limit=2"), "train", tiny_pair)
+
+
 def _one_error_line(proc):
     lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
     assert proc.returncode == 2, proc.stderr
