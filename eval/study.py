@@ -27,6 +27,10 @@ SECTIONS = [
      "python -m decode +experiment=study_disco_mbpp mode=run tuned=results/disco_mbpp/tuned.json "
      "\"policies=[static_opt,svip,learned:results/heads/disco_mbpp.ckpt]\" out_dir=results/disco_mbpp_rerun",
      ["summary.md"], []),
+    ("disco_mbpp_rerun2", "1c'. The same three rows again on the same AMD machine",
+     "python -m decode +experiment=study_disco_mbpp mode=run tuned=results/disco_mbpp/tuned.json "
+     "\"policies=[static_opt,svip,learned:results/heads/disco_mbpp.ckpt]\" out_dir=results/disco_mbpp_rerun2",
+     ["summary.md"], []),
     ("heads_eval_mbpp", "1d. The MBPP heads as classifiers on test traces, next to the training-free scores",
      "python -m data_gen pair=smollm2_135m dataset=mbpp trace=target_ar trace.max_new_tokens=64 trace.store_hidden=true "
      "split=test limit=48 && python -m eval ckpt=[results/heads/disco_mbpp.ckpt,results/heads/specdecpp_mbpp.ckpt] "
@@ -58,6 +62,9 @@ SECTIONS = [
      "results/heads/sprinter_tau1.5.ckpt] threshold=0.5 "
      "traces=traces/smollm2_135m--wikitext2--interleaved-t0-p1-n64-s0-h--test-lim48 out_dir=results/sprinter_theory",
      ["report.md"], ["roc.png"]),
+    ("sprinter_rerun", "5c. One SPRINTER row rerun on the same machine as table 5",
+     "python -m decode +experiment=study_sprinter \"policies=[sprinter:results/heads/sprinter_tau1.2.ckpt]\" "
+     "out_dir=results/sprinter_rerun", ["summary.md"], []),
     ("qwen_selfdraft", "6. Expensive draft — Qwen2.5-Coder-1.5B self-draft (MBPP test)",
      "python -m decode +experiment=study_qwen", ["summary.md"], ["speedup.png"]),
 ]
@@ -81,6 +88,50 @@ def bar_check(summary: dict) -> dict:
     out["passes"] = {"vs_static_opt>=1.10": out["vs_static_opt"] >= 1.10, "vs_svip>=1.05": out["vs_svip"] >= 1.05,
                      "vs_adaedl>=1.05": out["vs_adaedl"] >= 1.05, "oracle_gap_closed>=0.5": out["oracle_gap_closed"] >= 0.5}
     return out
+
+
+# (original table folder, rerun folder): the study's reproducibility check, computed from both summaries
+RERUNS = [("sprinter", "sprinter_rerun"), ("disco_mbpp_rerun", "disco_mbpp_rerun2"), ("disco_mbpp", "disco_mbpp_rerun")]
+
+
+def repro_check(original: dict, rerun: dict) -> dict:
+    """Per method of the rerun: does its speedup land within the original table's spread (± std of per-prompt
+    speedups) of the original row? Methods the original lacks are skipped."""
+    out = {}
+    for method, r in rerun.items():
+        o = original.get(method)
+        ckpt = ((r.get("params") or {}).get("ckpt")) if method in ("learned", "sprinter") else None
+        if o is None and ckpt:  # a head listed alone is keyed `learned`; beside others `learned:<file stem>`
+            o = original.get(f"{method}:{Path(str(ckpt)).stem}")
+        if method == "target" or o is None:
+            continue
+        spread = float(o.get("speedup_std") or 0.0)
+        out[method] = {"original": o["speedup"], "rerun": r["speedup"], "spread": spread,
+                       "within": abs(r["speedup"] - o["speedup"]) <= spread}
+    return out
+
+
+def repro_section(results: Path) -> list[str]:
+    rows, report = [], {}
+    for orig, again in RERUNS:
+        a, b = results / orig / "summary.json", results / again / "summary.json"
+        if not (a.is_file() and b.is_file()):
+            continue
+        machines = [json.loads((results / f / "run.json").read_text()).get("machine") for f in (orig, again)]
+        same = machines[0] == machines[1]
+        check = repro_check(json.loads(a.read_text()), json.loads(b.read_text()))
+        report[f"{orig} <- {again}"] = {"same_machine": same, "methods": check}
+        for m, c in check.items():
+            rows.append(f"| {orig} | {again} | {'yes' if same else 'no'} | {m} | {c['original']:.2f} ± {c['spread']:.2f} | "
+                        f"{c['rerun']:.2f} | {'yes' if c['within'] else 'no'} |")
+    if not rows:
+        return []
+    (results / "reproducibility.json").write_text(json.dumps(report, indent=2))
+    return ["## Reproducibility — rows rerun in a fresh process", "",
+            "Each rerun's command is its section's; `within` = the rerun's speedup lies within the original table's "
+            "± (std of per-prompt speedups) of the original row (results/reproducibility.json).", "",
+            "| table | rerun | same machine | method | original | rerun | within |", "|---|---|---|---|---|---|---|",
+            *rows, ""]
 
 
 def _settings(run: dict) -> str:
@@ -140,6 +191,7 @@ def build(results: Path) -> str:
         notes = d / "NOTES.md"
         if notes.is_file():
             lines += [notes.read_text().strip(), ""]
+    lines += repro_section(results)
     return "\n".join(lines) + "\n"
 
 
@@ -162,9 +214,10 @@ def headline(results: Path) -> str:
         f"static K-opt, {bar['vs_svip']:.2f}× SVIP, {bar['vs_adaedl']:.2f}× AdaEDL, "
         f"{100 * bar['oracle_gap_closed']:.0f}% of the static-to-oracle gap closed — it {verdict} the issue's bar "
         "(≥ 1.10×, ≥ 1.05×, ≥ 1.05×, ≥ 50%).", "",
-        "Every other study table (HumanEval transfer, Spec-Bench per task greedy and T=1, temperature sweep, K sweep "
-        "vs prediction, draft scale, SPRINTER τ, Qwen expensive draft) with its command, machine and date: "
-        "[results/README.md](results/README.md).", ""])
+        "Every other study table (HumanEval transfer, table 1 on an AMD CPU and on an H100, the heads against the "
+        "training-free scores as classifiers, Spec-Bench per task greedy and T=1, temperature sweep, K sweep vs "
+        "prediction, draft scale, SPRINTER τ with its TVD prediction, Qwen expensive draft, and the reproducibility "
+        "check of rerun rows) with its command, machine and date: [results/README.md](results/README.md).", ""])
 
 
 def update_readme(readme: Path, block: str) -> None:

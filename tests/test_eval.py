@@ -189,6 +189,22 @@ def test_study_bar_check_and_report(tmp_path):
     assert json.loads((tmp_path / "disco_mbpp" / "bar.json").read_text())["best_learned"] == "learned:a"
 
 
+def test_study_repro_check():
+    """A rerun row counts as reproduced when its speedup lies within the original row's ± spread."""
+    from eval.study import repro_check
+
+    original = {"target": {"speedup": 1.0}, "svip": {"speedup": 1.2, "speedup_std": 0.1},
+                "learned": {"speedup": 1.3, "speedup_std": 0.05}}
+    rerun = {"target": {"speedup": 1.0}, "svip": {"speedup": 1.25}, "learned": {"speedup": 1.2}, "new": {"speedup": 2}}
+    out = repro_check(original, rerun)
+    assert set(out) == {"svip", "learned"}
+    assert out["svip"]["within"] is True and out["learned"]["within"] is False
+    # a head run alone (key `learned`) is matched to its row `learned:<stem>` in a table that listed two heads
+    original["learned:disco"] = original.pop("learned")
+    rerun["learned"]["params"] = {"ckpt": "results/heads/disco.ckpt"}
+    assert repro_check(original, rerun)["learned"]["original"] == 1.3
+
+
 def test_study_block_in_readme(tmp_path):
     """eval.study rewrites only the marked block of the top-level README; a README without it is a user error."""
     from eval.study import BEGIN, END, update_readme
