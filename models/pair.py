@@ -80,8 +80,8 @@ def resolve_device(name: str = "auto") -> torch.device:
 
 def resolve_dtype(name: str, device: torch.device | None = None) -> torch.dtype:
     """`auto`: bfloat16 on CUDA (float16 where the GPU lacks bf16); on CPU bfloat16 only where this CPU runs it
-    natively. Without bf16 instructions (many AMD/older Intel CPUs) a bf16 matrix-vector product is emulated and
-    measured ~17x slower than fp32, which would make batch-1 decoding crawl; there auto means float32."""
+    natively. Without bf16 instructions (many AMD/older Intel CPUs) bf16 products are emulated, measured 9-31x slower
+    than fp32 (bench/cpu_dtype.py), which would make batch-1 decoding crawl; there auto means float32."""
     if name == "auto":
         if device is not None and device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
