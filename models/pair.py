@@ -80,7 +80,7 @@ def resolve_device(name: str = "auto") -> torch.device:
 
 def resolve_dtype(name: str, device: torch.device | None = None) -> torch.dtype:
     """`auto`: bfloat16 on CUDA (float16 where the GPU lacks bf16); on CPU bfloat16 only where this CPU runs it
-    natively. Without bf16 instructions (many AMD/older Intel CPUs) bf16 products are emulated, measured 9-31x slower
+    natively. Without bf16 instructions (many AMD/older Intel CPUs) bf16 products are emulated, measured 8-31x slower
     than fp32 (bench/cpu_dtype.py), which would make batch-1 decoding crawl; there auto means float32."""
     if name == "auto":
         if device is not None and device.type == "cuda":
