@@ -175,13 +175,13 @@ def generate(cfg: DictConfig, split: str, pair=None) -> Path:
         print(f"note: {note}", flush=True)
     pps = s["prompts_per_shard"]
     n_planned = math.ceil(len(items) / pps)
+    dtype = str(pair.dtype).replace("torch.", "")  # what pair.dtype=auto resolved to on this machine
     if resuming:
         if manifest.get("tokenizer_hash") != pair.tokenizer_hash:
             raise UserError(
                 f"traces at {folder} were made with tokenizer {manifest.get('tokenizer_hash')} but pair {pair.name} now has "
                 f"{pair.tokenizer_hash}; rerun with overwrite=true to regenerate them"
             )
-        dtype = str(pair.dtype).replace("torch.", "")
         if manifest.get("dtype", dtype) != dtype:  # dtype=auto can resolve differently on another machine
             raise UserError(
                 f"traces at {folder} were started in {manifest['dtype']} but this machine resolves pair.dtype to {dtype}; "
@@ -205,7 +205,7 @@ def generate(cfg: DictConfig, split: str, pair=None) -> Path:
             "config": store.hash_payload(cfg),
             "pair_id": pair.pair_id,
             "tokenizer_hash": pair.tokenizer_hash,
-            "dtype": str(pair.dtype).replace("torch.", ""),  # what dtype=auto resolved to on this machine
+            "dtype": dtype,
             "code_version": store.code_version(),
             "trace_kind": str(cfg.trace.kind),
             "split": split,

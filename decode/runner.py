@@ -90,6 +90,16 @@ def methods_from_cfg(cfg: DictConfig) -> list[Method]:
     return out
 
 
+def method_entry(table: dict, key: str, name: str, ckpt=None) -> dict | None:
+    """A method's entry in a per-method table written by another run (tuned.json's `chosen`, a summary.json): by its
+    key, else by `<name>:<ckpt file stem>` — a head is keyed `learned` when listed alone and `learned:<file stem>`
+    beside another head, so the same head can carry either key."""
+    for k in (key, f"{name}:{Path(str(ckpt)).stem}" if ckpt else None):
+        if k in table:
+            return table[k]
+    return None
+
+
 def apply_tuned(methods: list[Method], path: Path) -> list[Method]:
     """Parameters chosen by an earlier `mode=tune` run (its tuned.json), matched by method key: how a setting tuned
     on one dataset's validation split is carried to another test set (MBPP → HumanEval). Methods the file does not
@@ -100,15 +110,7 @@ def apply_tuned(methods: list[Method], path: Path) -> list[Method]:
         chosen = json.loads(path.read_text())["chosen"]
     except (ValueError, KeyError, TypeError):
         raise UserError(f"tuned={path} is not a tuned.json from `python -m decode mode=tune`") from None
-    def lookup(m: Method) -> dict | None:
-        # a head is `learned` when listed alone and `learned:<file stem>` beside another head: accept either
-        name, ckpt = parse_spec(m.spec)
-        for key in (m.key, f"{name}:{Path(ckpt).stem}" if ckpt else None):
-            if key in chosen:
-                return chosen[key]
-        return None
-
-    found = {m.key: lookup(m) for m in methods}
+    found = {m.key: method_entry(chosen, m.key, *parse_spec(m.spec)) for m in methods}
     if not any(v is not None for v in found.values()):
         raise UserError(f"tuned={path} tunes {sorted(chosen)}, none of this run's methods {[m.key for m in methods]}")
     return [Method(m.key, m.spec, {**m.params, **(found[m.key] or {})}) for m in methods]

@@ -97,12 +97,11 @@ RERUNS = [("sprinter", "sprinter_rerun"), ("disco_mbpp_rerun", "disco_mbpp_rerun
 def repro_check(original: dict, rerun: dict) -> dict:
     """Per method of the rerun: does its speedup land within the original table's spread (± std of per-prompt
     speedups) of the original row? Methods the original lacks are skipped."""
+    from decode.runner import method_entry
+
     out = {}
     for method, r in rerun.items():
-        o = original.get(method)
-        ckpt = ((r.get("params") or {}).get("ckpt")) if method in ("learned", "sprinter") else None
-        if o is None and ckpt:  # a head listed alone is keyed `learned`; beside others `learned:<file stem>`
-            o = original.get(f"{method}:{Path(str(ckpt)).stem}")
+        o = method_entry(original, method, method.split(":")[0], (r.get("params") or {}).get("ckpt"))
         if method == "target" or o is None:
             continue
         spread = float(o.get("speedup_std") or 0.0)
