@@ -93,6 +93,11 @@ def measured_c(draft_s: float, draft_calls: int, target_s: float, target_calls: 
     return (draft_s / draft_calls) / (target_s / target_calls)
 
 
+def cost_model_speedup(tokens: int, target_calls: int, draft_calls: int, c: float) -> float:
+    """New tokens ÷ (target calls + c · draft calls): the speedup if a verification pass cost one target step."""
+    return tokens / (target_calls + c * draft_calls) if tokens and c == c else float("nan")
+
+
 def summarize(rows: list[dict], target_rows: list[dict], c: float, greedy: bool, exact: bool,
               tie_tol: float = 0.25) -> dict:
     """One method's summary from its per-prompt rows and target-only rows on the same prompts."""
@@ -116,7 +121,7 @@ def summarize(rows: list[dict], target_rows: list[dict], c: float, greedy: bool,
         "tokens_per_s": tps,
         "speedup": tps / t_tps if t_tps > 0 else float("nan"),
         "speedup_std": float(np.std(speedups)) if speedups else 0.0,
-        "cost_model_speedup": tokens / (target_calls + c * draft_calls) if tokens and c == c else float("nan"),
+        "cost_model_speedup": cost_model_speedup(tokens, target_calls, draft_calls, c),
         "acceptance_rate": accepted / drafted if drafted else 0.0,
         "mean_accepted_length": tokens / target_calls if target_calls else 0.0,
         "target_calls_per_token": target_calls / tokens if tokens else 0.0,

@@ -37,12 +37,12 @@ STUDY_PREFIX = "study_"  # conf/experiment/study_*.yaml are decode studies; the 
 
 
 def _check_experiment_stage(name: str, config_name: str | None) -> None:
-    if config_name not in ("train", "decode"):
+    if config_name not in ("train", "decode", "replay"):  # replay reads a decode study's policies and grids
         return
     is_study = name.startswith(STUDY_PREFIX)
     if is_study and config_name == "train":
         raise UserError(f"experiment '{name}' is a decoding study: python -m decode +experiment={name}")
-    if not is_study and config_name == "decode":
+    if not is_study and config_name in ("decode", "replay"):
         raise UserError(f"experiment '{name}' trains a head: python -m train +experiment={name} "
                         f"(decode studies: {', '.join(n for n in known_names('experiment') if n.startswith(STUDY_PREFIX))})")
 

@@ -1,0 +1,328 @@
+"""Replay stop policies on greedy traces under the cost model: what a policy would gain, without decoding.
+
+    python -m eval.replay +experiment=study_disco_mbpp replay.tune=VAL_TRACES replay.eval=TEST_TRACES \
+        replay.c_from=results/disco_mbpp/run.json replay.out_dir=results/replay_mbpp
+
+A greedy `target_ar` trace holds, at every position of the target's greedy continuation, the draft's features and
+whether its argmax equals the target's token. That is everything a speculative round sees while it stays on the
+target's path, so the decoder's rounds can be replayed row by row with the real policy objects (decode/policies.py):
+draft rows t, t+1, … until the policy stops, keep the leading accepted ones plus one target token, go on from there.
+Two things differ from decoding: after the first rejected token of a round the draft would run on its own wrong token,
+and the replay shows the policy the on-path row instead (this only changes how many doomed tokens the round drafts),
+and time is the cost model of decode.metrics (a verification pass costs one target step, a draft step c), not a
+clock. In exchange a whole threshold grid replays in seconds and without timing noise, so it separates what a stop
+rule can gain from what a machine's verification cost and noise do to it.
+
+It reads the decode experiment's `policies`, `policy.*` and `tune.grid` (the same config as `python -m decode`):
+each grid is tuned on `replay.tune` traces for cost-model speedup and the chosen point replayed on `replay.eval`.
+`replay.synthetic_auroc` adds the *synthetic heads*: per-row scores with a chosen AUROC (binormal, equal variance,
+independent of everything else), thresholded like a DISCO head — the speedup a head of that quality would reach on
+these traces, i.e. how good a classifier the static-to-oracle gap asks for.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import hydra
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+from scipy.stats import norm
+from sklearn.metrics import roc_auc_score
+from tqdm.auto import tqdm
+
+from decode.metrics import cost_model_speedup, per_position
+from decode.policies import StopPolicy, build_policy, parse_spec
+from decode.runner import Method, choose, methods_from_cfg, tune_grid
+from models.features import DraftStep, continuation_starts
+from utils.cli import UserError, hydra_entry
+
+NOT_REPLAYED = {"hf_assisted": "runs transformers' own loop", "sprinter": "approximate verification (lossy)"}
+
+
+@dataclass
+class Continuation:
+    """One greedy continuation of a trace: per-row draft features and the target's tokens."""
+
+    topk: torch.Tensor  # (n, k) draft top-k probabilities
+    entropy: torch.Tensor  # (n,)
+    hidden: torch.Tensor | None  # (n, d) or None
+    draft_token: np.ndarray
+    target_token: np.ndarray
+
+    @property
+    def accepted(self) -> np.ndarray:
+        return self.draft_token == self.target_token
+
+
+def load_continuations(folder: Path) -> tuple[list[Continuation], dict]:
+    """A greedy target_ar trace folder as continuations; refuses other trace kinds in one line."""
+    from data_gen.store import load_traces
+    from train.datamodule import trace_columns
+
+    folder = Path(folder)
+    if not folder.exists():
+        raise UserError(f"no traces at {folder}; make them with python -m data_gen trace=target_ar split=... limit=...")
+    ds, manifest = load_traces(folder)
+    kind, temp = manifest.get("trace_kind"), manifest.get("temperature")
+    if kind != "target_ar" or temp is None or float(temp) != 0.0:
+        raise UserError(f"{folder} holds {kind} traces at temperature {temp}; the replay "
+                        "needs greedy target_ar traces (python -m data_gen trace=target_ar trace.temperature=0)")
+    names = ["prompt_id", "kind", "position", "draft_token", "target_token", "draft_topk", "draft_entropy", "draft_hidden"]
+    cols = trace_columns(ds, [n for n in names if n in ds.column_names])
+    starts = np.flatnonzero(continuation_starts(cols))
+    ends = np.append(starts[1:], len(cols["position"]))
+    topk = torch.tensor(cols["draft_topk"], dtype=torch.float32)
+    ent = torch.tensor(cols["draft_entropy"], dtype=torch.float32)
+    hid = torch.tensor(cols["draft_hidden"]).float() if "draft_hidden" in cols else None
+    out = [Continuation(topk[a:b], ent[a:b], None if hid is None else hid[a:b],
+                        cols["draft_token"][a:b].astype(np.int64), cols["target_token"][a:b].astype(np.int64))
+           for a, b in zip(starts, ends)]
+    return out, manifest
+
+
+class SyntheticHead(StopPolicy):
+    """A head of known AUROC: stop when its per-row score (set per continuation via reset) falls below `threshold`."""
+
+    name = "synthetic"
+    needs_probs = False
+
+    def __init__(self, threshold: float, max_len: int = 40):
+        super().__init__(max_len)
+        self.threshold = float(threshold)
+        self.scores = np.zeros(0)
+
+    def reset(self, synthetic=None, **ctx):
+        self.scores = synthetic
+
+    def should_stop(self, step):
+        return self.scores[step.position] < self.threshold
+
+
+def synthetic_scores(conts: list[Continuation], auroc: float, seed: int) -> list[np.ndarray]:
+    """Binormal scores N(μ·accepted, 1) with μ = √2·Φ⁻¹(AUROC): that AUROC in expectation, nothing else learned."""
+    mu = math.sqrt(2.0) * norm.ppf(auroc)
+    rng = np.random.default_rng(seed)
+    return [mu * c.accepted + rng.standard_normal(len(c.accepted)) for c in conts]
+
+
+def replay_one(policy: StopPolicy, cont: Continuation, synthetic=None) -> list[tuple[int, int]]:
+    """The rounds (drafted k, accepted n) decode.loop.speculative would run on this continuation, read off the trace.
+
+    Same round structure as the loop: at most min(max_len, tokens left − 1) drafted tokens, the token that makes the
+    policy stop is drafted and verified, the target adds one token per round (correction or bonus)."""
+    acc = cont.accepted
+    total = len(acc)
+    policy.reset(lookahead=cont.target_token.tolist(), synthetic=synthetic)
+    rounds, t = [], 0
+    while t < total:
+        k_cap = min(policy.max_len, total - t - 1)
+        k = 0
+        for j in range(k_cap):
+            i = t + j
+            step = DraftStep(probs=cont.topk[i], token=int(cont.draft_token[i]),
+                             hidden=None if cont.hidden is None else cont.hidden[i], position_in_round=j, position=i,
+                             _topk=cont.topk[i], _entropy=cont.entropy[i])
+            k += 1
+            if policy.should_stop(step):
+                break
+        n = 0
+        while n < k and acc[t + n]:
+            n += 1
+        policy.observe(k, n)
+        rounds.append((k, n))
+        t += n + 1
+    return rounds
+
+
+def summarize(rounds_per_cont: list[list[tuple[int, int]]], c: float) -> dict:
+    """Cost-model numbers of one replayed method (the decode summary's definitions, decode.metrics)."""
+    rounds = [r for rs in rounds_per_cont for r in rs]
+    tokens = sum(n + 1 for _, n in rounds)
+    drafted = sum(k for k, _ in rounds)
+    accepted = sum(n for _, n in rounds)
+    verified, acc_pos = per_position(rounds, limit=8)
+    return {
+        "cost_model_speedup": cost_model_speedup(tokens, len(rounds), drafted, c),
+        "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "mean_accepted_length": tokens / len(rounds) if rounds else 0.0,
+        "draft_calls_per_token": drafted / tokens if tokens else 0.0,
+        "mean_draft_length": drafted / len(rounds) if rounds else 0.0,
+        "per_position_acceptance": [a / v if v else None for a, v in zip(acc_pos, verified)],
+        "tokens": tokens,
+    }
+
+
+def build(method: Method, manifest: dict, folder: Path) -> StopPolicy:
+    name, path = parse_spec(method.spec)
+    pol = build_policy(method.spec, method.params)
+    if path:
+        from eval.__main__ import check_compatible
+
+        check_compatible(pol.bundle, manifest, folder, ["draft_topk"] + (["draft_hidden"] if manifest.get("hidden_size") else []))
+    return pol
+
+
+def replay(methods: list[Method], conts, manifest, folder, c: float, desc: str) -> dict:
+    out = {}
+    for m in tqdm(methods, desc=desc, unit="method", leave=False):
+        pol = build(m, manifest, folder)
+        out[m.key] = summarize([replay_one(pol, cont) for cont in conts], c)
+    return out
+
+
+def replay_synthetic(aurocs, conts_tune, conts_eval, c: float, seed: int, grid) -> dict:
+    """Per AUROC: the threshold with the best tuning-split speedup, then the eval split's speedup and realised AUROC."""
+    out = {}
+    for a in aurocs:
+        s_tune, s_eval = synthetic_scores(conts_tune, a, seed), synthetic_scores(conts_eval, a, seed + 1)
+
+        def run(th, conts, scores):
+            pol = SyntheticHead(th)
+            return summarize([replay_one(pol, cont, sc) for cont, sc in zip(conts, scores)], c)
+
+        tuned = {th: run(th, conts_tune, s_tune)["cost_model_speedup"] for th in grid}
+        best = max(tuned, key=tuned.get)
+        res = run(best, conts_eval, s_eval)
+        y = np.concatenate([cont.accepted for cont in conts_eval])
+        res.update(auroc=float(a), realised_auroc=float(roc_auc_score(y, np.concatenate(s_eval))), threshold=float(best))
+        out[f"synthetic[auroc={a:g}]"] = res
+    return out
+
+
+def measured_c(cfg_replay) -> tuple[float, str]:
+    """c from replay.c, else the measured_c of a decode run (replay.c_from: its run.json)."""
+    if cfg_replay.get("c") is not None:
+        return float(cfg_replay.c), "replay.c"
+    src = cfg_replay.get("c_from")
+    if not src:
+        raise UserError("the replay needs the cost ratio c: replay.c_from=RUN/run.json (a decode run) or replay.c=0.26")
+    path = Path(str(src))
+    try:
+        c = float(json.loads(path.read_text())["measured_c"])
+    except FileNotFoundError:
+        raise UserError(f"replay.c_from={path}: no such file; pass a decode run's run.json") from None
+    except (ValueError, KeyError, TypeError):
+        raise UserError(f"replay.c_from={path} has no measured_c; pass a decode run's run.json") from None
+    return c, str(path)
+
+
+def markdown(result: dict) -> str:
+    s = result["settings"]
+    lines = [
+        f"Cost-model replay on greedy traces (`python -m eval.replay`): tuned on `{s['tune']}` "
+        f"({s['tune_rows']} rows), replayed on `{s['eval']}` ({s['eval_rows']} rows); c = {s['c']:.3f} "
+        f"({s['c_from']}); pair {s['pair']}; {s['date']}.",
+        "",
+        "| method | chosen | cost-model speedup | accept | mean acc len | draft calls/tok | mean K |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for key, r in result["eval"].items():
+        chosen = result["chosen"].get(key) or ""
+        if isinstance(chosen, dict):
+            chosen = ", ".join(f"{k}={v}" for k, v in chosen.items())
+        lines.append(f"| {key} | {chosen} | {r['cost_model_speedup']:.3f} | {r['acceptance_rate']:.3f} | "
+                     f"{r['mean_accepted_length']:.2f} | {r['draft_calls_per_token']:.3f} | {r['mean_draft_length']:.2f} |")
+    gap = result.get("gap")
+    if gap:
+        lines += ["", f"Static K-opt → oracle gap closed (cost model): "
+                      + ", ".join(f"{k} {v:.0%}" for k, v in gap.items()) + "."]
+    if result.get("skipped"):
+        lines += ["", "Not replayed: " + "; ".join(f"{k} ({v})" for k, v in result["skipped"].items()) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def gap_closed(table: dict) -> dict:
+    """Share of the static_opt → oracle cost-model gap each other method closes (negative: below static_opt)."""
+    if "static_opt" not in table or "oracle" not in table:
+        return {}
+    lo, hi = table["static_opt"]["cost_model_speedup"], table["oracle"]["cost_model_speedup"]
+    if hi <= lo:
+        return {}
+    return {k: (r["cost_model_speedup"] - lo) / (hi - lo) for k, r in table.items() if k not in ("static_opt", "oracle")}
+
+
+def plot(result: dict, path: Path) -> Path | None:
+    syn = {k: v for k, v in result["eval"].items() if k.startswith("synthetic[")}
+    if not syn:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from eval.plots import _save
+
+    fig, ax = plt.subplots(figsize=(7.5, 4))
+    xs = [v["realised_auroc"] for v in syn.values()]
+    ax.plot(xs, [v["cost_model_speedup"] for v in syn.values()], "o-", color="k", label="synthetic head")
+    for i, (k, r) in enumerate((k, r) for k, r in result["eval"].items() if not k.startswith("synthetic[")):
+        ax.axhline(r["cost_model_speedup"], ls="--", lw=1, color=f"C{i % 10}", label=k)
+    ax.set_xlabel("AUROC of the head's score (eval traces)")
+    ax.set_ylabel("cost-model speedup")
+    ax.set_title("What a stop head of a given AUROC would gain")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return _save(fig, path)
+
+
+def run(cfg: DictConfig) -> dict:
+    rc = cfg.replay
+    if not rc.get("tune") or not rc.get("eval"):
+        raise UserError("pass the trace folders: replay.tune=VAL_TRACES replay.eval=TEST_TRACES (greedy target_ar, "
+                        "python -m data_gen trace=target_ar split=validation|test limit=N)")
+    c, c_from = measured_c(rc)
+    conts_tune, man_tune = load_continuations(Path(str(rc.tune)))
+    conts_eval, man_eval = load_continuations(Path(str(rc.eval)))
+    if man_tune.get("pair_id") != man_eval.get("pair_id"):
+        raise UserError(f"replay.tune traces come from pair {man_tune.get('pair_id')}, replay.eval from "
+                        f"{man_eval.get('pair_id')}; use one pair's traces for both")
+    methods, skipped = [], {}
+    for m in methods_from_cfg(cfg):
+        name = parse_spec(m.spec)[0]
+        if name in NOT_REPLAYED:
+            skipped[m.key] = NOT_REPLAYED[name]
+        else:
+            methods.append(m)
+    grid = tune_grid(cfg, methods, untuned=False)
+    tuned = replay(grid, conts_tune, man_tune, Path(str(rc.tune)), c, "replay tune")
+    chosen = choose(tuned, methods, grid, "cost_model_speedup")
+    table = replay(chosen, conts_eval, man_eval, Path(str(rc.eval)), c, "replay eval")
+    syn_grid = [float(x) for x in np.linspace(-3.0, 3.0, 61)]
+    synthetic = replay_synthetic(list(rc.get("synthetic_auroc") or []), conts_tune, conts_eval, c, int(cfg.seed), syn_grid)
+    table.update(synthetic)
+    gap = gap_closed(table)
+    result = {
+        "settings": {"tune": str(rc.tune), "eval": str(rc.eval), "c": c, "c_from": c_from,
+                     "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                     "tune_rows": sum(len(x.accepted) for x in conts_tune),
+                     "eval_rows": sum(len(x.accepted) for x in conts_eval), "pair": man_eval.get("pair_id"),
+                     "grid": OmegaConf.to_container(cfg.tune.grid, resolve=True)},
+        "chosen": {**{m.key: {k: m.params[k] for k in (cfg.tune.grid.get(parse_spec(m.spec)[0]) or {})} for m in chosen},
+                   **{k: {"threshold": round(v["threshold"], 2), "realised AUROC": round(v["realised_auroc"], 3)}
+                      for k, v in synthetic.items()}},
+        "eval": table,
+        "gap": gap,
+        "skipped": skipped,
+    }
+    out = Path(str(rc.out_dir)) if rc.get("out_dir") else Path(hydra.core.hydra_config.HydraConfig.get().runtime.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "replay.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / "replay.md").write_text(markdown(result))
+    plot(result, out / "replay_auroc.png")
+    print(markdown(result))
+    print(f"wrote {out / 'replay.json'}, replay.md{', replay_auroc.png' if rc.get('synthetic_auroc') else ''}")
+    return result
+
+
+@hydra_entry("replay")
+def main(cfg: DictConfig) -> None:
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()

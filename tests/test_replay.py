@@ -1,0 +1,108 @@
+"""eval.replay: replaying a policy on greedy traces gives the decoder's own rounds where the replay is exact (policies
+that do not read the draft's features after a rejection), the cost-model numbers follow from those rounds, and the
+synthetic heads have the AUROC they are asked for."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hydra import compose, initialize_config_dir
+
+from tests.conftest import REPO
+from utils.cli import UserError
+
+N_PROMPTS, NEW = 3, 16
+
+
+def cfg_of(name, *overrides):
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return compose(name, list(overrides))
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory, tiny_pair):
+    from data_gen.run import generate
+
+    root = tmp_path_factory.mktemp("replay_traces")
+    out = {}
+    for split in ("validation", "test"):
+        cfg = cfg_of("data_gen", "pair=tiny_random", "dataset=mbpp", f"trace_root={root}", "progress=false",
+                     f"trace.max_new_tokens={NEW}", f"split={split}", f"limit={N_PROMPTS}")
+        out[split] = generate(cfg, split, tiny_pair)
+    sampled = cfg_of("data_gen", "pair=tiny_random", "dataset=mbpp", f"trace_root={root}", "progress=false",
+                     "trace.max_new_tokens=4", "trace.temperature=1.0", "split=test", "limit=1")
+    out["sampled"] = generate(sampled, "test", tiny_pair)
+    return out
+
+
+def test_constant_and_oracle_rounds_equal_decoding(traces, tiny_pair, tmp_path):
+    """Constant K and the oracle never read features, so their replayed rounds must be the decoder's, prompt by prompt."""
+    from decode.policies import build_policy
+    from decode.runner import main as decode
+    from eval.replay import load_continuations, replay_one
+
+    decode(cfg_of("decode", "pair=tiny_random", "dataset=mbpp", "split=test", f"limit={N_PROMPTS}",
+                  f"max_new_tokens={NEW}", "plots=false", "warmup=false", "policy.constant.k=3",
+                  "policies=[constant,oracle]", f"out_dir={tmp_path}"))
+    rows = [json.loads(line) for line in (tmp_path / "prompts.jsonl").read_text().splitlines()]
+    conts, _ = load_continuations(traces["test"])
+    assert len(conts) == N_PROMPTS
+    for method, params in (("constant", {"k": 3}), ("oracle", {})):
+        decoded = [[tuple(r) for r in row["rounds"]] for row in rows if row["method"] == method]
+        replayed = [replay_one(build_policy(method, params), c) for c in conts]
+        assert replayed == decoded, method
+    assert all(k - n <= 1 for rs in replayed for k, n in rs)  # the oracle drafts at most the one rejected token
+    assert any(n > 0 for rs in replayed for _, n in rs)  # some drafted tokens were accepted
+
+
+def test_replay_table_synthetic_heads_and_bad_input(traces, tmp_path):
+    from eval.replay import gap_closed, run
+
+    base = ["+experiment=study_disco_mbpp", "pair=tiny_random", f"replay.tune={traces['validation']}",
+            f"replay.eval={traces['test']}", "policies=[constant,static_opt,svip,max_confidence,oracle,hf_assisted]",
+            "tune.grid.static_opt.k=[1,2,3]", "replay.c=0.3", "replay.synthetic_auroc=[0.7,0.99]"]
+    res = run(cfg_of("replay", *base, f"replay.out_dir={tmp_path / 'r'}"))
+    table = res["eval"]
+    assert res["chosen"]["static_opt"]["k"] in (1, 2, 3) and res["skipped"] == {"hf_assisted": "runs transformers' own loop"}
+    # every method generates every token of every continuation, whatever its rounds
+    assert len({r["tokens"] for r in table.values()}) == 1
+    # cost model by hand: tokens ÷ (rounds + c · drafted), rounds = tokens ÷ mean accepted length
+    r = table["svip"]
+    rounds = r["tokens"] / r["mean_accepted_length"]
+    assert r["cost_model_speedup"] == pytest.approx(r["tokens"] / (rounds + 0.3 * r["draft_calls_per_token"] * r["tokens"]))
+    assert res["gap"] == gap_closed(table)
+    t = {"static_opt": {"cost_model_speedup": 1.2}, "oracle": {"cost_model_speedup": 1.6}, "h": {"cost_model_speedup": 1.3}}
+    assert gap_closed(t) == {"h": pytest.approx(0.25)}
+    assert gap_closed({**t, "oracle": {"cost_model_speedup": 1.1}}) == {}  # no gap to close
+    assert table["synthetic[auroc=0.99]"]["realised_auroc"] > table["synthetic[auroc=0.7]"]["realised_auroc"]
+    for f in ("replay.json", "replay.md", "replay_auroc.png"):
+        assert (tmp_path / "r" / f).is_file()
+
+    with pytest.raises(UserError, match="greedy target_ar"):
+        run(cfg_of("replay", *base, f"replay.eval={traces['sampled']}", f"replay.out_dir={tmp_path / 'x'}"))
+    with pytest.raises(UserError, match="cost ratio"):
+        run(cfg_of("replay", *base, "replay.c=null", f"replay.out_dir={tmp_path / 'x'}"))
+    with pytest.raises(UserError, match="trace folders"):
+        run(cfg_of("replay", *base, "replay.tune=null", f"replay.out_dir={tmp_path / 'x'}"))
+    assert not (tmp_path / "x").exists()  # a refused run writes nothing
+
+
+def test_synthetic_scores_have_the_asked_auroc():
+    from sklearn.metrics import roc_auc_score
+
+    from eval.replay import Continuation, synthetic_scores
+
+    rng = np.random.default_rng(0)
+    y = rng.random(20000) < 0.6
+    cont = Continuation(None, None, None, y.astype(np.int64), np.ones(len(y), dtype=np.int64))
+    for a in (0.6, 0.8, 0.95):
+        s = synthetic_scores([cont], a, seed=1)[0]
+        assert roc_auc_score(y, s) == pytest.approx(a, abs=0.01)
+
+
+def test_cli_refuses_a_training_experiment(cli):
+    r = cli("eval.replay", "+experiment=disco_mbpp", "replay.c=0.3")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        r.stderr.strip().splitlines()[-1]] and "trains a head" in r.stderr
