@@ -39,6 +39,14 @@ SECTIONS = [
     ("disco_mbpp_gpu", "1e. Table 1 on an H100 (bf16; parameters and thresholds from the CPU tuning above)",
      "python -m decode +experiment=study_disco_mbpp mode=run tuned=results/disco_mbpp/tuned.json threads=null "
      "out_dir=results/disco_mbpp_gpu", ["summary.md"], ["speedup.png"]),
+    ("replay_mbpp", "1f. What limits the heads — table 1's policies replayed on MBPP traces under the cost model, "
+     "next to synthetic heads of known AUROC",
+     "python -m data_gen pair=smollm2_135m dataset=mbpp trace=target_ar trace.max_new_tokens=64 trace.store_hidden=true "
+     "split=validation limit=32 && (the test traces of 1d) && python -m eval.replay +experiment=study_disco_mbpp "
+     "replay.tune=traces/smollm2_135m--mbpp--target_ar-t0-p1-n64-s0-h--validation-lim32 "
+     "replay.eval=traces/smollm2_135m--mbpp--target_ar-t0-p1-n64-s0-h--test-lim48 "
+     "replay.c_from=results/disco_mbpp/run.json replay.out_dir=results/replay_mbpp", ["replay.md"],
+     ["replay_auroc.png"]),
     ("specbench_greedy", "2. Spec-Bench per task — greedy", "python -m decode +experiment=study_specbench",
      ["by_task.md", "summary.md"], ["speedup.png"]),
     ("specbench_t1", "2b. Spec-Bench per task — temperature 1.0", "python -m decode +experiment=study_specbench_t1",
@@ -214,7 +222,7 @@ def headline(results: Path) -> str:
         f"{100 * bar['oracle_gap_closed']:.0f}% of the static-to-oracle gap closed — it {verdict} the issue's bar "
         "(≥ 1.10×, ≥ 1.05×, ≥ 1.05×, ≥ 50%).", "",
         "Every other study table (HumanEval transfer, table 1 on an AMD CPU and on an H100, the heads against the "
-        "training-free scores as classifiers, Spec-Bench per task greedy and T=1, temperature sweep, K sweep vs "
+        "training-free scores as classifiers, the cost-model replay with heads of known AUROC, Spec-Bench per task greedy and T=1, temperature sweep, K sweep vs "
         "prediction, draft scale, SPRINTER τ with its TVD prediction, Qwen expensive draft, and the reproducibility "
         "check of rerun rows) with its command, machine and date: [results/README.md](results/README.md).", ""])
 
