@@ -60,8 +60,8 @@ class Continuation:
         return self.draft_token == self.target_token
 
 
-def load_continuations(folder: Path) -> tuple[list[Continuation], dict]:
-    """A greedy target_ar trace folder as continuations; refuses other trace kinds in one line."""
+def load_continuations(folder: Path) -> tuple[list[Continuation], dict, dict]:
+    """A greedy target_ar trace folder as (continuations, manifest, columns); refuses other trace kinds in one line."""
     from data_gen.store import load_traces
     from train.datamodule import trace_columns
 
@@ -83,7 +83,28 @@ def load_continuations(folder: Path) -> tuple[list[Continuation], dict]:
     out = [Continuation(topk[a:b], ent[a:b], None if hid is None else hid[a:b],
                         cols["draft_token"][a:b].astype(np.int64), cols["target_token"][a:b].astype(np.int64))
            for a, b in zip(starts, ends)]
-    return out, manifest
+    return out, manifest, cols
+
+
+def score_auroc(method: Method, cols: dict) -> float | None:
+    """AUROC of the per-token score a method thresholds, on on-path rows (None for rules without one): max q for
+    max-confidence, −H_q for SVIP and AdaEDL, P(accept) for a head — where it sits on the synthetic heads' curve."""
+    name, path = parse_spec(method.spec)
+    y = cols["draft_token"] == cols["target_token"]
+    if name == "max_confidence":
+        score = np.asarray(cols["draft_topk"])[:, 0]
+    elif name in ("svip", "adaedl"):
+        score = -np.asarray(cols["draft_entropy"])
+    elif name == "learned" and path:
+        from models.features import features_from_columns
+        from models.heads import load_head
+
+        bundle = load_head(Path(path))
+        with torch.no_grad():
+            score = bundle.prob(features_from_columns(cols, bundle.spec)).numpy()
+    else:
+        return None
+    return float(roc_auc_score(y, score)) if 0 < y.sum() < len(y) else None
 
 
 class SyntheticHead(StopPolicy):
@@ -219,14 +240,16 @@ def markdown(result: dict) -> str:
         f"({s['tune_rows']} rows), replayed on `{s['eval']}` ({s['eval_rows']} rows); c = {s['c']:.3f} "
         f"({s['c_from']}); pair {s['pair']}; {s['date']}.",
         "",
-        "| method | chosen | cost-model speedup | accept | mean acc len | draft calls/tok | mean K |",
-        "|---|---|---|---|---|---|---|",
+        "| method | chosen | score AUROC | cost-model speedup | accept | mean acc len | draft calls/tok | mean K |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for key, r in result["eval"].items():
         chosen = result["chosen"].get(key) or ""
         if isinstance(chosen, dict):
             chosen = ", ".join(f"{k}={v}" for k, v in chosen.items())
-        lines.append(f"| {key} | {chosen} | {r['cost_model_speedup']:.3f} | {r['acceptance_rate']:.3f} | "
+        auroc = r.get("score_auroc", r.get("realised_auroc"))
+        auroc = "–" if auroc is None else f"{auroc:.3f}"
+        lines.append(f"| {key} | {chosen} | {auroc} | {r['cost_model_speedup']:.3f} | {r['acceptance_rate']:.3f} | "
                      f"{r['mean_accepted_length']:.2f} | {r['draft_calls_per_token']:.3f} | {r['mean_draft_length']:.2f} |")
     gap = result.get("gap")
     if gap:
@@ -258,15 +281,21 @@ def plot(result: dict, path: Path) -> Path | None:
 
     from eval.plots import _save
 
-    fig, ax = plt.subplots(figsize=(7.5, 4))
+    fig, ax = plt.subplots(figsize=(6, 4.2))
     xs = [v["realised_auroc"] for v in syn.values()]
     ax.plot(xs, [v["cost_model_speedup"] for v in syn.values()], "o-", color="k", label="synthetic head")
-    for i, (k, r) in enumerate((k, r) for k, r in result["eval"].items() if not k.startswith("synthetic[")):
-        ax.axhline(r["cost_model_speedup"], ls="--", lw=1, color=f"C{i % 10}", label=k)
-    ax.set_xlabel("AUROC of the head's score (eval traces)")
+    scored = [(k, r) for k, r in result["eval"].items() if r.get("score_auroc") is not None]
+    for i, (k, r) in enumerate(scored):
+        ax.plot(r["score_auroc"], r["cost_model_speedup"], "s", color=f"C{i % 10}", label=k)
+    for k, style in (("oracle", ":"), ("static_opt", "--")):
+        if k in result["eval"]:
+            ax.axhline(result["eval"][k]["cost_model_speedup"], ls=style, color="grey", lw=1)
+            ax.annotate(k, (ax.get_xlim()[0], result["eval"][k]["cost_model_speedup"]), fontsize=7, color="grey",
+                        xytext=(2, 2), textcoords="offset points")
+    ax.set_xlabel("AUROC of the score the policy thresholds (eval traces)")
     ax.set_ylabel("cost-model speedup")
-    ax.set_title("What a stop head of a given AUROC would gain")
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.set_title("What a stop rule of a given AUROC gains")
+    ax.legend(fontsize=7, loc="lower right")
     return _save(fig, path)
 
 
@@ -276,8 +305,8 @@ def run(cfg: DictConfig) -> dict:
         raise UserError("pass the trace folders: replay.tune=VAL_TRACES replay.eval=TEST_TRACES (greedy target_ar, "
                         "python -m data_gen trace=target_ar split=validation|test limit=N)")
     c, c_from = measured_c(rc)
-    conts_tune, man_tune = load_continuations(Path(str(rc.tune)))
-    conts_eval, man_eval = load_continuations(Path(str(rc.eval)))
+    conts_tune, man_tune, _ = load_continuations(Path(str(rc.tune)))
+    conts_eval, man_eval, cols_eval = load_continuations(Path(str(rc.eval)))
     if man_tune.get("pair_id") != man_eval.get("pair_id"):
         raise UserError(f"replay.tune traces come from pair {man_tune.get('pair_id')}, replay.eval from "
                         f"{man_eval.get('pair_id')}; use one pair's traces for both")
@@ -292,6 +321,8 @@ def run(cfg: DictConfig) -> dict:
     tuned = replay(grid, conts_tune, man_tune, Path(str(rc.tune)), c, "replay tune")
     chosen = choose(tuned, methods, grid, "cost_model_speedup")
     table = replay(chosen, conts_eval, man_eval, Path(str(rc.eval)), c, "replay eval")
+    for m in chosen:
+        table[m.key]["score_auroc"] = score_auroc(m, cols_eval)
     syn_grid = [float(x) for x in np.linspace(-3.0, 3.0, 61)]
     synthetic = replay_synthetic(list(rc.get("synthetic_auroc") or []), conts_tune, conts_eval, c, int(cfg.seed), syn_grid)
     table.update(synthetic)
@@ -303,8 +334,7 @@ def run(cfg: DictConfig) -> dict:
                      "eval_rows": sum(len(x.accepted) for x in conts_eval), "pair": man_eval.get("pair_id"),
                      "grid": OmegaConf.to_container(cfg.tune.grid, resolve=True)},
         "chosen": {**{m.key: {k: m.params[k] for k in (cfg.tune.grid.get(parse_spec(m.spec)[0]) or {})} for m in chosen},
-                   **{k: {"threshold": round(v["threshold"], 2), "realised AUROC": round(v["realised_auroc"], 3)}
-                      for k, v in synthetic.items()}},
+                   **{k: {"threshold": round(v["threshold"], 2)} for k, v in synthetic.items()}},
         "eval": table,
         "gap": gap,
         "skipped": skipped,

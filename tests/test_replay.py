@@ -47,7 +47,7 @@ def test_constant_and_oracle_rounds_equal_decoding(traces, tiny_pair, tmp_path):
                   f"max_new_tokens={NEW}", "plots=false", "warmup=false", "policy.constant.k=3",
                   "policies=[constant,oracle]", f"out_dir={tmp_path}"))
     rows = [json.loads(line) for line in (tmp_path / "prompts.jsonl").read_text().splitlines()]
-    conts, _ = load_continuations(traces["test"])
+    conts, _, _ = load_continuations(traces["test"])
     assert len(conts) == N_PROMPTS
     for method, params in (("constant", {"k": 3}), ("oracle", {})):
         decoded = [[tuple(r) for r in row["rounds"]] for row in rows if row["method"] == method]
@@ -77,6 +77,15 @@ def test_replay_table_synthetic_heads_and_bad_input(traces, tmp_path):
     assert gap_closed(t) == {"h": pytest.approx(0.25)}
     assert gap_closed({**t, "oracle": {"cost_model_speedup": 1.1}}) == {}  # no gap to close
     assert table["synthetic[auroc=0.99]"]["realised_auroc"] > table["synthetic[auroc=0.7]"]["realised_auroc"]
+    # the scores' AUROC, recomputed from the trace files without the replay's code
+    from data_gen.store import load_traces
+    from sklearn.metrics import roc_auc_score
+
+    cols = load_traces(traces["test"])[0].with_format("numpy")[:]
+    y = np.asarray(cols["draft_token"]) == np.asarray(cols["target_token"])
+    assert table["svip"]["score_auroc"] == pytest.approx(roc_auc_score(y, -np.asarray(cols["draft_entropy"])))
+    assert table["max_confidence"]["score_auroc"] == pytest.approx(roc_auc_score(y, np.stack(cols["draft_topk"])[:, 0]))
+    assert table["static_opt"]["score_auroc"] is None
     for f in ("replay.json", "replay.md", "replay_auroc.png"):
         assert (tmp_path / "r" / f).is_file()
 
