@@ -7,11 +7,13 @@ A greedy `target_ar` trace holds, at every position of the target's greedy conti
 whether its argmax equals the target's token. That is everything a speculative round sees while it stays on the
 target's path, so the decoder's rounds can be replayed row by row with the real policy objects (decode/policies.py):
 draft rows t, t+1, … until the policy stops, keep the leading accepted ones plus one target token, go on from there.
-Two things differ from decoding: after the first rejected token of a round the draft would run on its own wrong token,
-and the replay shows the policy the on-path row instead (this only changes how many doomed tokens the round drafts),
-and time is the cost model of decode.metrics (a verification pass costs one target step, a draft step c), not a
-clock. In exchange a whole threshold grid replays in seconds and without timing noise, so it separates what a stop
-rule can gain from what a machine's verification cost and noise do to it.
+Up to a round's first rejected token the policy sees exactly what it sees in decoding, so for a policy without state
+across rounds every round's accepted count (hence tokens and target calls) is the decoder's, and so is its draft
+length when it stopped by that rejection (tested). Past it the draft would run on its own wrong token and the replay
+shows the on-path row instead: those rounds' lengths are approximate (`past_rejection`: their share), and so is an
+adaptive policy's state (AdaEDL, heuristic). Time is the cost model of decode.metrics (a verification pass costs one
+target step, a draft step c), not a clock. In exchange a whole threshold grid replays in seconds and without timing
+noise, which separates what a stop rule can gain from what a machine's verification cost and noise do to it.
 
 It reads the decode experiment's `policies`, `policy.*` and `tune.grid` (the same config as `python -m decode`):
 each grid is tuned on `replay.tune` traces for cost-model speedup and the chosen point replayed on `replay.eval`.
@@ -175,6 +177,7 @@ def summarize(rounds_per_cont: list[list[tuple[int, int]]], c: float) -> dict:
         "draft_calls_per_token": drafted / tokens if tokens else 0.0,
         "mean_draft_length": drafted / len(rounds) if rounds else 0.0,
         "per_position_acceptance": [a / v if v else None for a, v in zip(acc_pos, verified)],
+        "past_rejection": sum(k > n + 1 for k, n in rounds) / len(rounds) if rounds else 0.0,
         "tokens": tokens,
     }
 
@@ -240,8 +243,9 @@ def markdown(result: dict) -> str:
         f"({s['tune_rows']} rows), replayed on `{s['eval']}` ({s['eval_rows']} rows); c = {s['c']:.3f} "
         f"({s['c_from']}); pair {s['pair']}; {s['date']}.",
         "",
-        "| method | chosen | score AUROC | cost-model speedup | accept | mean acc len | draft calls/tok | mean K |",
-        "|---|---|---|---|---|---|---|---|",
+        "| method | chosen | score AUROC | cost-model speedup | accept | mean acc len | draft calls/tok | mean K | "
+        "past rejection |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for key, r in result["eval"].items():
         chosen = result["chosen"].get(key) or ""
@@ -250,7 +254,11 @@ def markdown(result: dict) -> str:
         auroc = r.get("score_auroc", r.get("realised_auroc"))
         auroc = "–" if auroc is None else f"{auroc:.3f}"
         lines.append(f"| {key} | {chosen} | {auroc} | {r['cost_model_speedup']:.3f} | {r['acceptance_rate']:.3f} | "
-                     f"{r['mean_accepted_length']:.2f} | {r['draft_calls_per_token']:.3f} | {r['mean_draft_length']:.2f} |")
+                     f"{r['mean_accepted_length']:.2f} | {r['draft_calls_per_token']:.3f} | {r['mean_draft_length']:.2f} | "
+                     f"{r['past_rejection']:.3f} |")
+    lines += ["", "Past rejection: share of rounds that drafted beyond their first rejected token; there a policy that "
+                  "reads features sees on-path rows the decoder would not have seen, so those rounds' lengths are "
+                  "approximate (constant K and static K read none: exact)."]
     gap = result.get("gap")
     if gap:
         lines += ["", f"Static K-opt → oracle gap closed (cost model): "

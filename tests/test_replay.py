@@ -37,24 +37,37 @@ def traces(tmp_path_factory, tiny_pair):
     return out
 
 
-def test_constant_and_oracle_rounds_equal_decoding(traces, tiny_pair, tmp_path):
-    """Constant K and the oracle never read features, so their replayed rounds must be the decoder's, prompt by prompt."""
+def test_rounds_equal_decoding(traces, tiny_pair, tmp_path):
+    """Constant K and the oracle never read features after a rejection, so their replayed rounds are the decoder's.
+    A threshold rule sees the decoder's features up to a round's first rejection: its accepted counts are exact in every
+    round and its draft length wherever it stopped by that rejection (k ≤ n + 1); beyond, the replay approximates."""
     from decode.policies import build_policy
     from decode.runner import main as decode
     from eval.replay import load_continuations, replay_one
 
+    params = {"constant": {"k": 3}, "oracle": {}, "svip": {"h": 0.9}, "max_confidence": {"lam": 0.2}}
     decode(cfg_of("decode", "pair=tiny_random", "dataset=mbpp", "split=test", f"limit={N_PROMPTS}",
-                  f"max_new_tokens={NEW}", "plots=false", "warmup=false", "policy.constant.k=3",
-                  "policies=[constant,oracle]", f"out_dir={tmp_path}"))
+                  f"max_new_tokens={NEW}", "plots=false", "warmup=false", "policy.constant.k=3", "policy.svip.h=0.9",
+                  "policy.max_confidence.lam=0.2", f"policies=[{','.join(params)}]", f"out_dir={tmp_path}"))
     rows = [json.loads(line) for line in (tmp_path / "prompts.jsonl").read_text().splitlines()]
     conts, _, _ = load_continuations(traces["test"])
     assert len(conts) == N_PROMPTS
-    for method, params in (("constant", {"k": 3}), ("oracle", {})):
+    past = 0
+    for method, p in params.items():
         decoded = [[tuple(r) for r in row["rounds"]] for row in rows if row["method"] == method]
-        replayed = [replay_one(build_policy(method, params), c) for c in conts]
-        assert replayed == decoded, method
-    assert all(k - n <= 1 for rs in replayed for k, n in rs)  # the oracle drafts at most the one rejected token
-    assert any(n > 0 for rs in replayed for _, n in rs)  # some drafted tokens were accepted
+        replayed = [replay_one(build_policy(method, p), c) for c in conts]
+        if method in ("constant", "oracle"):
+            assert replayed == decoded, method
+            continue
+        for dec, rep in zip(decoded, replayed):
+            assert [n for _, n in rep] == [n for _, n in dec], method
+            for (kd, n), (kr, _) in zip(dec, rep):
+                assert (kd <= n + 1) == (kr <= n + 1) and (kd == kr or kd > n + 1), method
+                past += kd > n + 1
+    assert past > 0  # some rounds did draft past their first rejection, so the last check had something to check
+    oracle = [replay_one(build_policy("oracle", {}), c) for c in conts]
+    assert all(k - n <= 1 for rs in oracle for k, n in rs)  # the oracle drafts at most the one rejected token
+    assert any(n > 0 for rs in oracle for _, n in rs)  # some drafted tokens were accepted
 
 
 def test_replay_table_synthetic_heads_and_bad_input(traces, tmp_path):
