@@ -128,3 +128,26 @@ def test_cli_refuses_a_training_experiment(cli):
     r = cli("eval.replay", "+experiment=disco_mbpp", "replay.c=0.3")
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         r.stderr.strip().splitlines()[-1]] and "trains a head" in r.stderr
+
+
+def test_head_features_bench(traces, tmp_path):
+    """bench/head_features.py on tiny traces: one AUROC per feature set, the baselines recomputed independently."""
+    import importlib.util
+
+    from sklearn.metrics import roc_auc_score
+
+    from data_gen.store import load_traces
+
+    spec = importlib.util.spec_from_file_location("head_features", REPO / "bench" / "head_features.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.main(["--train", str(traces["validation"]), "--test", str(traces["test"]), "--out", str(tmp_path)])
+    res = json.loads((tmp_path / "head_features.json").read_text())
+    assert set(res["train"][0]["auroc"]) == set(mod.SETS)
+    assert all(0.0 <= a <= 1.0 for a in res["train"][0]["auroc"].values())
+    cols = load_traces(traces["test"])[0].with_format("numpy")[:]
+    y = np.asarray(cols["draft_token"]) == np.asarray(cols["target_token"])
+    assert res["baselines"]["max_q"] == pytest.approx(roc_auc_score(y, np.stack(cols["draft_topk"])[:, 0]))
+    with pytest.raises(SystemExit):
+        mod.main(["--train", str(traces["sampled"]), "--test", str(traces["test"]), "--out", str(tmp_path / "x")])
+    assert not (tmp_path / "x").exists()
