@@ -200,10 +200,12 @@ def replay(methods: list[Method], conts, manifest, folder, c: float, desc: str) 
     return out
 
 
-def replay_synthetic(aurocs, conts_tune, conts_eval, c: float, seed: int, grid) -> dict:
+def replay_synthetic(aurocs, conts_tune, conts_eval, c: float, seed: int) -> dict:
     """Per AUROC: the threshold with the best tuning-split speedup, then the eval split's speedup and realised AUROC."""
     out = {}
     for a in aurocs:
+        mu = math.sqrt(2.0) * norm.ppf(a)
+        grid = [float(x) for x in np.linspace(min(0.0, mu) - 3.0, max(0.0, mu) + 3.0, 61)]  # both score modes ± 3σ
         s_tune, s_eval = synthetic_scores(conts_tune, a, seed), synthetic_scores(conts_eval, a, seed + 1)
 
         def run(th, conts, scores):
@@ -313,6 +315,9 @@ def run(cfg: DictConfig) -> dict:
         raise UserError("pass the trace folders: replay.tune=VAL_TRACES replay.eval=TEST_TRACES (greedy target_ar, "
                         "python -m data_gen trace=target_ar split=validation|test limit=N)")
     c, c_from = measured_c(rc)
+    aurocs = [float(a) for a in rc.get("synthetic_auroc") or []]
+    if any(not 0.0 < a < 1.0 for a in aurocs):
+        raise UserError(f"replay.synthetic_auroc must hold AUROCs strictly between 0 and 1, got {aurocs}")
     conts_tune, man_tune, _ = load_continuations(Path(str(rc.tune)))
     conts_eval, man_eval, cols_eval = load_continuations(Path(str(rc.eval)))
     if man_tune.get("pair_id") != man_eval.get("pair_id"):
@@ -331,8 +336,7 @@ def run(cfg: DictConfig) -> dict:
     table = replay(chosen, conts_eval, man_eval, Path(str(rc.eval)), c, "replay eval")
     for m in chosen:
         table[m.key]["score_auroc"] = score_auroc(m, cols_eval)
-    syn_grid = [float(x) for x in np.linspace(-3.0, 3.0, 61)]
-    synthetic = replay_synthetic(list(rc.get("synthetic_auroc") or []), conts_tune, conts_eval, c, int(cfg.seed), syn_grid)
+    synthetic = replay_synthetic(aurocs, conts_tune, conts_eval, c, int(cfg.seed))
     table.update(synthetic)
     gap = gap_closed(table)
     result = {

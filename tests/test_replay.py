@@ -106,6 +106,8 @@ def test_replay_table_synthetic_heads_and_bad_input(traces, tmp_path):
         run(cfg_of("replay", *base, f"replay.eval={traces['sampled']}", f"replay.out_dir={tmp_path / 'x'}"))
     with pytest.raises(UserError, match="cost ratio"):
         run(cfg_of("replay", *base, "replay.c=null", f"replay.out_dir={tmp_path / 'x'}"))
+    with pytest.raises(UserError, match="strictly between 0 and 1"):
+        run(cfg_of("replay", *base, "replay.synthetic_auroc=[0.9,1.0]", f"replay.out_dir={tmp_path / 'x'}"))
     with pytest.raises(UserError, match="trace folders"):
         run(cfg_of("replay", *base, "replay.tune=null", f"replay.out_dir={tmp_path / 'x'}"))
     assert not (tmp_path / "x").exists()  # a refused run writes nothing
