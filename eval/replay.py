@@ -20,6 +20,10 @@ each grid is tuned on `replay.tune` traces for cost-model speedup and the chosen
 `replay.synthetic_auroc` adds the *synthetic heads*: per-row scores with a chosen AUROC (binormal, equal variance,
 independent of everything else), thresholded like a DISCO head — the speedup a head of that quality would reach on
 these traces, i.e. how good a classifier the static-to-oracle gap asks for.
+
+Besides replay.json / replay.md / replay_auroc.png it writes tuned.json in decode's format, so
+`python -m decode ... tuned=OUT/tuned.json` decodes with the replay's choices (seconds of tuning instead of a decoded
+grid); `replay.compare=DECODE_OUT_DIR` (a decode run on the eval traces' prompts) adds replayed vs decoded call counts.
 """
 
 from __future__ import annotations
@@ -261,6 +265,15 @@ def markdown(result: dict) -> str:
     lines += ["", "Past rejection: share of rounds that drafted beyond their first rejected token; there a policy that "
                   "reads features sees on-path rows the decoder would not have seen, so those rounds' lengths are "
                   "approximate (constant K and static K read none: exact)."]
+    comp = result.get("compare")
+    if comp:
+        lines += ["", f"Replayed vs decoded (`{result['settings']['compare']}`, same prompts):", "",
+                  "| method | mean acc len replay | decode | accept replay | decode | draft calls/tok replay | decode |",
+                  "|---|---|---|---|---|---|---|"]
+        for k, r in comp.items():
+            lines.append(f"| {k} | {r['mean_accepted_length_replay']:.3f} | {r['mean_accepted_length_decode']:.3f} | "
+                         f"{r['acceptance_rate_replay']:.3f} | {r['acceptance_rate_decode']:.3f} | "
+                         f"{r['draft_calls_per_token_replay']:.3f} | {r['draft_calls_per_token_decode']:.3f} |")
     gap = result.get("gap")
     if gap:
         lines += ["", f"Static K-opt → oracle gap closed (cost model): "
@@ -268,6 +281,24 @@ def markdown(result: dict) -> str:
     if result.get("skipped"):
         lines += ["", "Not replayed: " + "; ".join(f"{k} ({v})" for k, v in result["skipped"].items()) + "."]
     return "\n".join(lines) + "\n"
+
+
+def compare(table: dict, run_dir: Path) -> dict:
+    """Replayed vs decoded call counts per method, from a decode run on the eval traces' prompts (its summary.json):
+    accepted length and acceptance rate follow from accepted counts (exact for stateless policies), draft calls per
+    token also from the rounds past a rejection (approximate). Timing-free, so any machine's run will do."""
+    decoded = json.loads((Path(run_dir) / "summary.json").read_text())
+    keys = ("mean_accepted_length", "acceptance_rate", "draft_calls_per_token")
+
+    def twin(key):  # a head is keyed `learned` when decoded alone, `learned:<stem>` beside another head
+        if key in decoded:
+            return decoded[key]
+        name, _, stem = key.partition(":")
+        alone = decoded.get(name) or {}
+        return alone if stem and Path(str((alone.get("params") or {}).get("ckpt"))).stem == stem else None
+
+    return {k: {**{f"{q}_replay": r[q] for q in keys}, **{f"{q}_decode": d[q] for q in keys}}
+            for k, r in table.items() if (d := twin(k)) is not None}
 
 
 def gap_closed(table: dict) -> dict:
@@ -315,6 +346,9 @@ def run(cfg: DictConfig) -> dict:
         raise UserError("pass the trace folders: replay.tune=VAL_TRACES replay.eval=TEST_TRACES (greedy target_ar, "
                         "python -m data_gen trace=target_ar split=validation|test limit=N)")
     c, c_from = measured_c(rc)
+    if rc.get("compare") and not (Path(str(rc.compare)) / "summary.json").is_file():
+        raise UserError(f"replay.compare={rc.compare} has no summary.json; pass a python -m decode out_dir run on the "
+                        "eval traces' prompts (same dataset, split, limit and max_new_tokens)")
     aurocs = [float(a) for a in rc.get("synthetic_auroc") or []]
     if any(not 0.0 < a < 1.0 for a in aurocs):
         raise UserError(f"replay.synthetic_auroc must hold AUROCs strictly between 0 and 1, got {aurocs}")
@@ -351,13 +385,20 @@ def run(cfg: DictConfig) -> dict:
         "gap": gap,
         "skipped": skipped,
     }
+    if rc.get("compare"):
+        result["settings"]["compare"] = str(rc.compare)
+        result["compare"] = compare(table, Path(str(rc.compare)))
     out = Path(str(rc.out_dir)) if rc.get("out_dir") else Path(hydra.core.hydra_config.HydraConfig.get().runtime.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "replay.json").write_text(json.dumps(result, indent=1) + "\n")
     (out / "replay.md").write_text(markdown(result))
+    # decode's tuned.json format: `python -m decode ... tuned=OUT/tuned.json` decodes with the replay's choices
+    tuned_file = {"metric": "cost_model_speedup (eval.replay)", "split": str(rc.tune),
+                  "chosen": {m.key: dict(m.params) for m in chosen}}
+    (out / "tuned.json").write_text(json.dumps(tuned_file, indent=1) + "\n")
     plot(result, out / "replay_auroc.png")
     print(markdown(result))
-    print(f"wrote {out / 'replay.json'}, replay.md{', replay_auroc.png' if rc.get('synthetic_auroc') else ''}")
+    print(f"wrote {out / 'replay.json'}, replay.md, tuned.json{', replay_auroc.png' if aurocs else ''}")
     return result
 
 

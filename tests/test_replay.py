@@ -99,9 +99,26 @@ def test_replay_table_synthetic_heads_and_bad_input(traces, tmp_path):
     assert table["svip"]["score_auroc"] == pytest.approx(roc_auc_score(y, -np.asarray(cols["draft_entropy"])))
     assert table["max_confidence"]["score_auroc"] == pytest.approx(roc_auc_score(y, np.stack(cols["draft_topk"])[:, 0]))
     assert table["static_opt"]["score_auroc"] is None
-    for f in ("replay.json", "replay.md", "replay_auroc.png"):
+    for f in ("replay.json", "replay.md", "replay_auroc.png", "tuned.json"):
         assert (tmp_path / "r" / f).is_file()
 
+    # tuned.json drives a real decode of the eval prompts; replay.compare then sets replayed against decoded counts:
+    # accepted lengths agree exactly for stateless policies, draft calls too where nothing reads past a rejection
+    from decode.runner import main as decode
+
+    decode(cfg_of("decode", "pair=tiny_random", "dataset=mbpp", "split=test", f"limit={N_PROMPTS}",
+                  f"max_new_tokens={NEW}", "plots=false", "warmup=false", f"tuned={tmp_path / 'r' / 'tuned.json'}",
+                  "policies=[static_opt,svip,max_confidence,oracle]", f"out_dir={tmp_path / 'dec'}"))
+    cmp = run(cfg_of("replay", *base, f"replay.compare={tmp_path / 'dec'}", f"replay.out_dir={tmp_path / 'r2'}"))["compare"]
+    assert set(cmp) == {"static_opt", "svip", "max_confidence", "oracle"}
+    for r in cmp.values():
+        assert r["mean_accepted_length_replay"] == pytest.approx(r["mean_accepted_length_decode"])
+    for k in ("static_opt", "oracle"):
+        assert cmp[k]["draft_calls_per_token_replay"] == pytest.approx(cmp[k]["draft_calls_per_token_decode"])
+    assert "Replayed vs decoded" in (tmp_path / "r2" / "replay.md").read_text()
+
+    with pytest.raises(UserError, match="no summary.json"):
+        run(cfg_of("replay", *base, f"replay.compare={tmp_path / 'nowhere'}", f"replay.out_dir={tmp_path / 'x'}"))
     with pytest.raises(UserError, match="greedy target_ar"):
         run(cfg_of("replay", *base, f"replay.eval={traces['sampled']}", f"replay.out_dir={tmp_path / 'x'}"))
     with pytest.raises(UserError, match="cost ratio"):
