@@ -45,7 +45,11 @@ SECTIONS = [
      "split=validation limit=32 && (the test traces of 1d) && python -m eval.replay +experiment=study_disco_mbpp "
      "replay.tune=traces/smollm2_135m--mbpp--target_ar-t0-p1-n64-s0-h--validation-lim32 "
      "replay.eval=traces/smollm2_135m--mbpp--target_ar-t0-p1-n64-s0-h--test-lim48 "
-     "replay.c_from=results/disco_mbpp/run.json replay.out_dir=results/replay_mbpp", ["replay.md"],
+     "replay.c_from=results/disco_mbpp/run.json replay.out_dir=results/replay_mbpp; the check against decoding: "
+     "python -m decode +experiment=study_disco_mbpp mode=run tuned=results/replay_mbpp/tuned.json limit=48 "
+     "\"policies=[static_opt,svip,adaedl,learned:results/heads/disco_mbpp.ckpt,oracle]\" "
+     "out_dir=results/replay_mbpp/decode_check, then the replay again with "
+     "replay.compare=results/replay_mbpp/decode_check", ["replay.md"],
      ["replay_auroc.png"]),
     ("specbench_greedy", "2. Spec-Bench per task — greedy", "python -m decode +experiment=study_specbench",
      ["by_task.md", "summary.md"], ["speedup.png"]),
