@@ -285,8 +285,8 @@ def markdown(result: dict) -> str:
 
 def compare(table: dict, run_dir: Path) -> dict:
     """Replayed vs decoded call counts per method, from a decode run on the eval traces' prompts (its summary.json):
-    accepted length and acceptance rate follow from accepted counts (exact for stateless policies), draft calls per
-    token also from the rounds past a rejection (approximate). Timing-free, so any machine's run will do."""
+    the mean accepted length follows from accepted counts (exact for stateless policies); acceptance rate and draft
+    calls per token also count tokens drafted past a rejection (approximate). Timing-free: any machine's run will do."""
     decoded = json.loads((Path(run_dir) / "summary.json").read_text())
     keys = ("mean_accepted_length", "acceptance_rate", "draft_calls_per_token")
 
