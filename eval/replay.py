@@ -276,7 +276,7 @@ def markdown(result: dict) -> str:
                          f"{r['draft_calls_per_token_replay']:.3f} | {r['draft_calls_per_token_decode']:.3f} |")
     gap = result.get("gap")
     if gap:
-        lines += ["", f"Static K-opt → oracle gap closed (cost model): "
+        lines += ["", "Static K-opt → oracle gap closed (cost model): "
                       + ", ".join(f"{k} {v:.0%}" for k, v in gap.items()) + "."]
     if result.get("skipped"):
         lines += ["", "Not replayed: " + "; ".join(f"{k} ({v})" for k, v in result["skipped"].items()) + "."]
