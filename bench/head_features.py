@@ -39,15 +39,9 @@ COLUMNS = ["prompt_id", "kind", "position", "draft_token", "target_token", "draf
 
 
 def load(folder: Path) -> tuple[dict, dict]:
-    from data_gen.store import load_traces
-    from train.datamodule import trace_columns
+    from eval.replay import load_greedy_traces
 
-    if not folder.exists():
-        raise UserError(f"no traces at {folder}; make them with python -m data_gen trace=target_ar split=... limit=...")
-    ds, manifest = load_traces(folder)
-    if manifest.get("trace_kind") != "target_ar" or float(manifest.get("temperature") or 0.0) != 0.0:
-        raise UserError(f"{folder} is not a greedy target_ar trace folder (python -m data_gen trace=target_ar)")
-    return trace_columns(ds, COLUMNS), manifest
+    return load_greedy_traces(folder, COLUMNS)
 
 
 def features(cols: dict) -> tuple[np.ndarray, dict[str, np.ndarray]]:

@@ -66,8 +66,8 @@ class Continuation:
         return self.draft_token == self.target_token
 
 
-def load_continuations(folder: Path) -> tuple[list[Continuation], dict, dict]:
-    """A greedy target_ar trace folder as (continuations, manifest, columns); refuses other trace kinds in one line."""
+def load_greedy_traces(folder: Path, names: list[str]) -> tuple[dict, dict]:
+    """(columns present among `names`, manifest) of a greedy target_ar trace folder; other folders refused in one line."""
     from data_gen.store import load_traces
     from train.datamodule import trace_columns
 
@@ -77,10 +77,15 @@ def load_continuations(folder: Path) -> tuple[list[Continuation], dict, dict]:
     ds, manifest = load_traces(folder)
     kind, temp = manifest.get("trace_kind"), manifest.get("temperature")
     if kind != "target_ar" or temp is None or float(temp) != 0.0:
-        raise UserError(f"{folder} holds {kind} traces at temperature {temp}; the replay "
-                        "needs greedy target_ar traces (python -m data_gen trace=target_ar trace.temperature=0)")
+        raise UserError(f"{folder} holds {kind} traces at temperature {temp}; this needs greedy target_ar traces "
+                        "(python -m data_gen trace=target_ar trace.temperature=0)")
+    return trace_columns(ds, [n for n in names if n in ds.column_names]), manifest
+
+
+def load_continuations(folder: Path) -> tuple[list[Continuation], dict, dict]:
+    """A greedy target_ar trace folder as (continuations, manifest, columns)."""
     names = ["prompt_id", "kind", "position", "draft_token", "target_token", "draft_topk", "draft_entropy", "draft_hidden"]
-    cols = trace_columns(ds, [n for n in names if n in ds.column_names])
+    cols, manifest = load_greedy_traces(folder, names)
     starts = np.flatnonzero(continuation_starts(cols))
     ends = np.append(starts[1:], len(cols["position"]))
     topk = torch.tensor(cols["draft_topk"], dtype=torch.float32)
@@ -92,22 +97,19 @@ def load_continuations(folder: Path) -> tuple[list[Continuation], dict, dict]:
     return out, manifest, cols
 
 
-def score_auroc(method: Method, cols: dict) -> float | None:
-    """AUROC of the per-token score a method thresholds, on on-path rows (None for rules without one): max q for
+def score_auroc(policy: StopPolicy, cols: dict) -> float | None:
+    """AUROC of the per-token score a policy thresholds, on on-path rows (None for rules without one): max q for
     max-confidence, −H_q for SVIP and AdaEDL, P(accept) for a head — where it sits on the synthetic heads' curve."""
-    name, path = parse_spec(method.spec)
     y = cols["draft_token"] == cols["target_token"]
-    if name == "max_confidence":
+    if policy.name == "max_confidence":
         score = np.asarray(cols["draft_topk"])[:, 0]
-    elif name in ("svip", "adaedl"):
+    elif policy.name in ("svip", "adaedl"):
         score = -np.asarray(cols["draft_entropy"])
-    elif name == "learned" and path:
+    elif getattr(policy, "bundle", None) is not None:
         from models.features import features_from_columns
-        from models.heads import load_head
 
-        bundle = load_head(Path(path))
         with torch.no_grad():
-            score = bundle.prob(features_from_columns(cols, bundle.spec)).numpy()
+            score = policy.bundle.prob(features_from_columns(cols, policy.bundle.spec)).numpy()
     else:
         return None
     return float(roc_auc_score(y, score)) if 0 < y.sum() < len(y) else None
@@ -187,7 +189,7 @@ def summarize(rounds_per_cont: list[list[tuple[int, int]]], c: float) -> dict:
 
 
 def build(method: Method, manifest: dict, folder: Path) -> StopPolicy:
-    name, path = parse_spec(method.spec)
+    path = parse_spec(method.spec)[1]
     pol = build_policy(method.spec, method.params)
     if path:
         from eval.__main__ import check_compatible
@@ -196,11 +198,14 @@ def build(method: Method, manifest: dict, folder: Path) -> StopPolicy:
     return pol
 
 
-def replay(methods: list[Method], conts, manifest, folder, c: float, desc: str) -> dict:
+def replay(methods: list[Method], conts, manifest, folder, c: float, desc: str, cols: dict | None = None) -> dict:
+    """Each method's replay summary; with the folder's `cols`, also the AUROC of the score its policy thresholds."""
     out = {}
     for m in tqdm(methods, desc=desc, unit="method", leave=False):
         pol = build(m, manifest, folder)
         out[m.key] = summarize([replay_one(pol, cont) for cont in conts], c)
+        if cols is not None:
+            out[m.key]["score_auroc"] = score_auroc(pol, cols)
     return out
 
 
@@ -367,9 +372,7 @@ def run(cfg: DictConfig) -> dict:
     grid = tune_grid(cfg, methods, untuned=False)
     tuned = replay(grid, conts_tune, man_tune, Path(str(rc.tune)), c, "replay tune")
     chosen = choose(tuned, methods, grid, "cost_model_speedup")
-    table = replay(chosen, conts_eval, man_eval, Path(str(rc.eval)), c, "replay eval")
-    for m in chosen:
-        table[m.key]["score_auroc"] = score_auroc(m, cols_eval)
+    table = replay(chosen, conts_eval, man_eval, Path(str(rc.eval)), c, "replay eval", cols_eval)
     synthetic = replay_synthetic(aurocs, conts_tune, conts_eval, c, int(cfg.seed))
     table.update(synthetic)
     gap = gap_closed(table)

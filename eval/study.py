@@ -227,8 +227,8 @@ def headline(results: Path) -> str:
         "(≥ 1.10×, ≥ 1.05×, ≥ 1.05×, ≥ 50%).", "",
         "Every other study table (HumanEval transfer, table 1 on an AMD CPU and on an H100, the heads against the "
         "training-free scores as classifiers, the cost-model replay with heads of known AUROC, Spec-Bench per task "
-        "greedy and T=1, temperature sweep, K sweep vs prediction, draft scale, SPRINTER τ with its TVD prediction, Qwen expensive draft, and the reproducibility "
-        "check of rerun rows) with its command, machine and date: [results/README.md](results/README.md).", ""])
+        "greedy and T=1, temperature sweep, K sweep vs prediction, draft scale, SPRINTER τ with its TVD prediction, "
+        "Qwen expensive draft, and the reproducibility check of rerun rows) with its command, machine and date: [results/README.md](results/README.md).", ""])
 
 
 def update_readme(readme: Path, block: str) -> None:
