@@ -98,15 +98,20 @@ def cost_model_speedup(tokens: int, target_calls: int, draft_calls: int, c: floa
     return tokens / (target_calls + c * draft_calls) if tokens and c == c else float("nan")
 
 
+def tokens_per_s(tokens, wall):
+    """Σ new tokens ÷ Σ wall seconds, over the last axis when given per-prompt arrays (the bootstrap resamples)."""
+    tokens, wall = np.sum(tokens, axis=-1), np.sum(wall, axis=-1)
+    return np.divide(tokens, wall, out=np.zeros(np.shape(wall)), where=np.asarray(wall) > 0)
+
+
 def summarize(rows: list[dict], target_rows: list[dict], c: float, greedy: bool, exact: bool,
               tie_tol: float = 0.25) -> dict:
     """One method's summary from its per-prompt rows and target-only rows on the same prompts."""
     tokens = sum(r["new_tokens"] for r in rows)
     wall = sum(r["wall_s"] for r in rows)
     t_tokens = sum(r["new_tokens"] for r in target_rows)
-    t_wall = sum(r["wall_s"] for r in target_rows)
-    tps = tokens / wall if wall > 0 else 0.0
-    t_tps = t_tokens / t_wall if t_wall > 0 else 0.0
+    tps = float(tokens_per_s([r["new_tokens"] for r in rows], [r["wall_s"] for r in rows]))
+    t_tps = float(tokens_per_s([r["new_tokens"] for r in target_rows], [r["wall_s"] for r in target_rows]))
     target_calls = sum(r["target_calls"] for r in rows)
     draft_calls = sum(r["draft_calls"] for r in rows)
     drafted = sum(r["drafted"] for r in rows)

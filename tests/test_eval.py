@@ -189,16 +189,44 @@ def test_study_bar_check_and_report(tmp_path):
     assert json.loads((tmp_path / "disco_mbpp" / "bar.json").read_text())["best_learned"] == "learned:a"
 
 
+def test_study_bar_intervals(tmp_path):
+    """The bar's bootstrap intervals resample prompts jointly for all methods: a head 1.2× faster than static K-opt
+    on every prompt gets a tight interval around 1.2 (the per-prompt noise is shared), one that is faster on half the
+    prompts and slower on the rest gets an interval that contains 1."""
+    from eval.study import bar_intervals
+
+    rng = np.random.default_rng(0)
+    base = rng.uniform(2.0, 6.0, size=24)  # static K-opt's per-prompt wall seconds
+    walls = {"target": base * 1.3, "static_opt": base, "svip": base, "adaedl": base * 1.05, "oracle": base / 1.5,
+             "learned:steady": base / 1.2, "learned:mixed": base * np.where(np.arange(24) % 2 == 0, 0.7, 1.4)}
+    lines = [json.dumps({"method": m, "prompt_id": f"p{i}", "new_tokens": 64, "wall_s": float(w[i])})
+             for m, w in walls.items() for i in range(24)]
+    (tmp_path / "prompts.jsonl").write_text("\n".join(lines) + "\n")
+    for head, inside_one in (("learned:steady", False), ("learned:mixed", True)):
+        bar = {"best_learned": head}
+        ci = bar_intervals(tmp_path / "prompts.jsonl", bar, n_resamples=500)
+        lo, hi = ci["vs_static_opt"]
+        assert (lo <= 1.0 <= hi) == inside_one, (head, lo, hi)
+        assert ci["n_prompts"] == 24
+    lo, hi = bar_intervals(tmp_path / "prompts.jsonl", {"best_learned": "learned:steady"}, n_resamples=500)["vs_static_opt"]
+    assert lo == pytest.approx(1.2, abs=1e-6) and hi == pytest.approx(1.2, abs=1e-6)
+    (tmp_path / "prompts.jsonl").write_text(lines[0] + "\n")
+    with pytest.raises(UserError, match="rerun study_disco_mbpp"):
+        bar_intervals(tmp_path / "prompts.jsonl", {"best_learned": "learned:steady"})
+
+
 def test_study_repro_check():
     """A rerun row counts as reproduced when its speedup lies within the original row's ± spread."""
     from eval.study import repro_check
 
-    original = {"target": {"speedup": 1.0}, "svip": {"speedup": 1.2, "speedup_std": 0.1},
+    original = {"target": {"speedup": 1.0}, "svip": {"speedup": 1.2, "speedup_std": 0.1, "mean_accepted_length": 1.9},
                 "learned": {"speedup": 1.3, "speedup_std": 0.05}}
-    rerun = {"target": {"speedup": 1.0}, "svip": {"speedup": 1.25}, "learned": {"speedup": 1.2}, "new": {"speedup": 2}}
+    rerun = {"target": {"speedup": 1.0}, "svip": {"speedup": 1.25, "mean_accepted_length": 1.8},
+             "learned": {"speedup": 1.2}, "new": {"speedup": 2}}
     out = repro_check(original, rerun)
     assert set(out) == {"svip", "learned"}
     assert out["svip"]["within"] is True and out["learned"]["within"] is False
+    assert out["svip"]["mean_accepted_length"] == [1.9, 1.8] and out["learned"]["mean_accepted_length"] == [None, None]
     # a head run alone (key `learned`) is matched to its row `learned:<stem>` in a table that listed two heads
     original["learned:disco"] = original.pop("learned")
     rerun["learned"]["params"] = {"ckpt": "results/heads/disco.ckpt"}
