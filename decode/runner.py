@@ -453,15 +453,9 @@ def main(cfg: DictConfig) -> dict:
     if mode in ("run", "sweep"):
         if mode == "sweep":  # every grid point of tune.grid as its own row, on `split`; nothing is chosen
             methods = tune_grid(cfg, methods)
-        summary, rows, by_task = run_split(cfg, pair, str(cfg.split), methods)
         title = f"{pair.pair_id} · {cfg.dataset.name}/{cfg.split} · T={cfg.temperature} · {cfg.max_new_tokens} new tokens"
-        write_outputs(out_dir, summary, rows, run_info(cfg, pair, str(cfg.split), summary), title, make_plots,
-                      by_task=by_task)
-        print(markdown_table(summary, title))
-        if by_task:
-            print(task_table(by_task, title))
-        print(f"wrote {out_dir}/summary.json")
-        return summary
+        return _publish(cfg, pair, out_dir, str(cfg.split), run_split(cfg, pair, str(cfg.split), methods), title,
+                        make_plots)
     grid = tune_grid(cfg, methods, untuned=False)
     if not grid:
         raise UserError(f"mode=tune: none of {[m.key for m in methods]} has a grid in tune.grid; "
@@ -480,11 +474,15 @@ def main(cfg: DictConfig) -> dict:
     print("chosen:", json.dumps(tuned))
     if not cfg.tune.get("eval_split"):
         return tsum
-    summary, rows, by_task = run_split(cfg, pair, str(cfg.tune.eval_split), chosen,
-                                       desc=f"eval on {cfg.tune.eval_split}")
-    title = f"{pair.pair_id} · {cfg.dataset.name}/{cfg.tune.eval_split} · tuned on {cfg.tune.split}"
-    write_outputs(out_dir, summary, rows, run_info(cfg, pair, str(cfg.tune.eval_split), summary), title, make_plots,
-                  by_task=by_task)
+    split = str(cfg.tune.eval_split)
+    return _publish(cfg, pair, out_dir, split, run_split(cfg, pair, split, chosen, desc=f"eval on {split}"),
+                    f"{pair.pair_id} · {cfg.dataset.name}/{split} · tuned on {cfg.tune.split}", make_plots)
+
+
+def _publish(cfg, pair, out_dir: Path, split: str, result: tuple, title: str, make_plots: bool) -> dict:
+    """Write a run's outputs (summary, per-prompt rows, run info, plots) and print its tables."""
+    summary, rows, by_task = result
+    write_outputs(out_dir, summary, rows, run_info(cfg, pair, split, summary), title, make_plots, by_task=by_task)
     print(markdown_table(summary, title))
     if by_task:
         print(task_table(by_task, title))
