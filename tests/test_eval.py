@@ -202,14 +202,11 @@ def test_study_bar_intervals(tmp_path):
     lines = [json.dumps({"method": m, "prompt_id": f"p{i}", "new_tokens": 64, "wall_s": float(w[i])})
              for m, w in walls.items() for i in range(24)]
     (tmp_path / "prompts.jsonl").write_text("\n".join(lines) + "\n")
-    for head, inside_one in (("learned:steady", False), ("learned:mixed", True)):
-        bar = {"best_learned": head}
-        ci = bar_intervals(tmp_path / "prompts.jsonl", bar, n_resamples=500)
-        lo, hi = ci["vs_static_opt"]
-        assert (lo <= 1.0 <= hi) == inside_one, (head, lo, hi)
-        assert ci["n_prompts"] == 24
-    lo, hi = bar_intervals(tmp_path / "prompts.jsonl", {"best_learned": "learned:steady"}, n_resamples=500)["vs_static_opt"]
-    assert lo == pytest.approx(1.2, abs=1e-6) and hi == pytest.approx(1.2, abs=1e-6)
+    steady = bar_intervals(tmp_path / "prompts.jsonl", {"best_learned": "learned:steady"}, n_resamples=500)
+    mixed = bar_intervals(tmp_path / "prompts.jsonl", {"best_learned": "learned:mixed"}, n_resamples=500)
+    assert steady["vs_static_opt"] == pytest.approx([1.2, 1.2], abs=1e-6) and steady["n_prompts"] == 24
+    lo, hi = mixed["vs_static_opt"]
+    assert lo < 1.0 < hi and hi - lo > 0.2
     (tmp_path / "prompts.jsonl").write_text(lines[0] + "\n")
     with pytest.raises(UserError, match="rerun study_disco_mbpp"):
         bar_intervals(tmp_path / "prompts.jsonl", {"best_learned": "learned:steady"})
