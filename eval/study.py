@@ -31,6 +31,10 @@ SECTIONS = [
      "python -m decode +experiment=study_disco_mbpp mode=run tuned=results/disco_mbpp/tuned.json "
      "\"policies=[static_opt,svip,learned:results/heads/disco_mbpp.ckpt]\" out_dir=results/disco_mbpp_rerun2",
      ["summary.md"], []),
+    ("disco_mbpp_rerun_intel", "1c''. The same three rows on table 1's own machine (Intel, native bf16)",
+     "python -m decode +experiment=study_disco_mbpp mode=run tuned=results/disco_mbpp/tuned.json pair.dtype=bfloat16 "
+     "\"policies=[static_opt,svip,learned:results/heads/disco_mbpp.ckpt]\" out_dir=results/disco_mbpp_rerun_intel",
+     ["summary.md"], []),
     ("heads_eval_mbpp", "1d. The MBPP heads as classifiers on test traces, next to the training-free scores",
      "python -m data_gen pair=smollm2_135m dataset=mbpp trace=target_ar trace.max_new_tokens=64 trace.store_hidden=true "
      "split=test limit=48 && python -m eval ckpt=[results/heads/disco_mbpp.ckpt,results/heads/specdecpp_mbpp.ckpt] "
@@ -171,7 +175,8 @@ def disco_bar(d: Path) -> dict:
 
 
 # (original table folder, rerun folder): the study's reproducibility check, computed from both summaries
-RERUNS = [("sprinter", "sprinter_rerun"), ("disco_mbpp_rerun", "disco_mbpp_rerun2"), ("disco_mbpp", "disco_mbpp_rerun")]
+RERUNS = [("sprinter", "sprinter_rerun"), ("disco_mbpp_rerun", "disco_mbpp_rerun2"), ("disco_mbpp", "disco_mbpp_rerun"),
+          ("disco_mbpp", "disco_mbpp_rerun_intel")]
 
 
 def repro_check(original: dict, rerun: dict) -> dict:
