@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
-from utils.cli import UserError, hydra_entry
+from utils.cli import UserError, hydra_entry, output_dir
 
 ROUND_BUCKETS = [(0, 0), (1, 1), (2, 2), (3, 3), (4, 7), (8, 15), (16, None)]
 CONT_BUCKETS = [(0, 15), (16, 31), (32, 63), (64, 127), (128, 255), (256, None)]
@@ -366,14 +366,6 @@ def log_wandb(cfg: DictConfig, report: dict, reports: list[dict], names: list[st
         warnings.warn(f"W&B logging skipped ({type(err).__name__}: {err}); report.json is written", stacklevel=1)
 
 
-def output_dir(cfg: DictConfig) -> Path:
-    if cfg.get("out_dir"):
-        return Path(str(cfg.out_dir))
-    from hydra.core.hydra_config import HydraConfig
-
-    return Path(HydraConfig.get().runtime.output_dir)
-
-
 def run(cfg: DictConfig) -> dict:
     """Evaluate every checkpoint, then write report.json / report.md / PNGs (nothing is written on a user error)."""
     from tqdm import tqdm
@@ -392,7 +384,7 @@ def run(cfg: DictConfig) -> dict:
         ds, manifest = load_split(folder, split)
         reports.append(evaluate(bundle, ds, manifest, folder))
     names = unique_names(reports)
-    out = output_dir(cfg)
+    out = output_dir(cfg.get("out_dir"))
     out.mkdir(parents=True, exist_ok=True)
     pngs = write_plots(reports, names, out)
     report: dict = {"split": split, "names": names, "checkpoints": reports}

@@ -34,7 +34,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import hydra
 import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -46,7 +45,7 @@ from decode.metrics import cost_model_speedup, per_position
 from decode.policies import StopPolicy, build_policy, parse_spec
 from decode.runner import Method, choose, methods_from_cfg, tune_grid
 from models.features import DraftStep, continuation_starts
-from utils.cli import UserError, hydra_entry
+from utils.cli import UserError, hydra_entry, output_dir
 
 NOT_REPLAYED = {"hf_assisted": "runs transformers' own loop", "sprinter": "approximate verification (lossy)"}
 
@@ -391,7 +390,7 @@ def run(cfg: DictConfig) -> dict:
     if rc.get("compare"):
         result["settings"]["compare"] = str(rc.compare)
         result["compare"] = compare(table, Path(str(rc.compare)))
-    out = Path(str(rc.out_dir)) if rc.get("out_dir") else Path(hydra.core.hydra_config.HydraConfig.get().runtime.output_dir)
+    out = output_dir(rc.get("out_dir"))
     out.mkdir(parents=True, exist_ok=True)
     (out / "replay.json").write_text(json.dumps(result, indent=1) + "\n")
     (out / "replay.md").write_text(markdown(result))

@@ -34,7 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 from scipy import stats
 
 from eval import plots
-from utils.cli import UserError, hydra_entry
+from utils.cli import UserError, hydra_entry, output_dir
 
 XENT = "cross_entropy"
 QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
@@ -277,14 +277,6 @@ def resolve_folder(cfg: DictConfig, split: str) -> Path:
     return trace_folder(cfg, split)
 
 
-def output_dir(cfg: DictConfig) -> Path:
-    if cfg.get("out_dir"):
-        return Path(str(cfg.out_dir))
-    from hydra.core.hydra_config import HydraConfig
-
-    return Path(HydraConfig.get().runtime.output_dir)
-
-
 def run(cfg: DictConfig) -> dict:
     from data_gen.store import load_traces
 
@@ -297,7 +289,7 @@ def run(cfg: DictConfig) -> dict:
     stats["temperature"] = manifest.get("temperature")
     sampled = manifest.get("trace_kind") == "interleaved" or float(manifest.get("temperature") or 0.0) > 0
     stats["speedup_prediction"] = speedup_prediction(stats, sampled, float(cfg.cost_ratio))
-    out = output_dir(cfg)
+    out = output_dir(cfg.get("out_dir"))
     out.mkdir(parents=True, exist_ok=True)
     written = write_plots(result, out)
     if stats["speedup_prediction"]:

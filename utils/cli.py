@@ -33,6 +33,15 @@ def check_name(group: str, name: str) -> Path:
     return path
 
 
+def output_dir(out_dir) -> Path:
+    """The folder a stage writes to: `out_dir` when the user set one, else the Hydra run folder."""
+    if out_dir:
+        return Path(str(out_dir))
+    from hydra.core.hydra_config import HydraConfig
+
+    return Path(HydraConfig.get().runtime.output_dir)
+
+
 STUDY_PREFIX = "study_"  # conf/experiment/study_*.yaml are decode studies; the other experiments train heads
 
 
