@@ -236,16 +236,15 @@ def _settings(run: dict) -> str:
     return "; ".join(parts) + (f" — {where}" if where else "")
 
 
-def build(results: Path) -> str:
+def build(results: Path, bar: dict | None) -> str:
+    """results/README.md's text; `bar` is disco_bar's result (None when table 1 has not been run)."""
     lines = ["# Study results", "",
              "Written by `python -m eval.study` from the folders below; every table is the output of the command above "
              "it (decode writes summary.json/summary.md, the analysis commands the rest). Speedup = tokens/s ÷ target-"
              "only tokens/s measured in the same process on the same prompts (prefill included); ± = std of per-prompt "
              "speedups. Oracle rows read the target-only output: an upper bound, not a method. Heads: "
              "`results/heads/` (see `results/heads/*.results.json` for their test metrics and training data).", ""]
-    disco = results / "disco_mbpp" / "summary.json"
-    if disco.is_file():
-        bar = disco_bar(results / "disco_mbpp")
+    if bar is not None:
         verdict = "meets" if all(bar["passes"].values()) else "does NOT meet"
         lines += ["## The bar (MBPP test, default pair, CPU)", "",
                   f"Best learned head `{bar['best_learned']}`: {bar['best_learned_speedup']:.2f}× — "
@@ -282,12 +281,11 @@ def build(results: Path) -> str:
 BEGIN, END = "<!-- study:begin (python -m eval.study) -->", "<!-- study:end -->"
 
 
-def headline(results: Path) -> str:
+def headline(results: Path, bar: dict | None) -> str:
     """The block eval.study keeps in the top-level README: the DISCO table and the bar, linking the rest."""
     d = results / "disco_mbpp"
-    if not (d / "summary.md").is_file():
+    if bar is None or not (d / "summary.md").is_file():
         return "The study has not been run yet: see results/README.md for the commands.\n"
-    bar = disco_bar(d)
     run = json.loads((d / "run.json").read_text()) if (d / "run.json").is_file() else {}
     verdict = "meets" if all(bar["passes"].values()) else "does **not** meet"
     return "\n".join([
@@ -316,9 +314,11 @@ def main() -> None:
     ap.add_argument("--results", type=Path, default=REPO / "results")
     ap.add_argument("--readme", type=Path, default=REPO / "README.md", help="top-level README with the study block")
     args = ap.parse_args()
-    text = build(args.results)
+    disco = args.results / "disco_mbpp"
+    bar = disco_bar(disco) if (disco / "summary.json").is_file() else None  # the bootstrap takes seconds: once
+    text = build(args.results, bar)
     (args.results / "README.md").write_text(text)
-    update_readme(args.readme, headline(args.results))
+    update_readme(args.readme, headline(args.results, bar))
     print(f"wrote {args.results / 'README.md'} and the study block of {args.readme}")
 
 

@@ -172,7 +172,7 @@ def test_bad_inputs_are_one_line(runs, tmp_path, tiny_pair, cli):
 def test_study_bar_check_and_report(tmp_path):
     """eval.study computes the issue's bar from a DISCO summary (ratios, share of the static→oracle gap) and writes a
     results README that lists missing sections as not run."""
-    from eval.study import bar_check, build
+    from eval.study import bar_check, build, disco_bar
 
     summary = {"target": {"speedup": 1.0}, "static_opt": {"speedup": 1.0}, "svip": {"speedup": 1.16},
                "adaedl": {"speedup": 1.0}, "oracle": {"speedup": 1.3},
@@ -184,7 +184,7 @@ def test_study_bar_check_and_report(tmp_path):
                              "oracle_gap_closed>=0.5": True}
     (tmp_path / "disco_mbpp").mkdir()
     (tmp_path / "disco_mbpp" / "summary.json").write_text(json.dumps(summary))
-    text = build(tmp_path)
+    text = build(tmp_path, disco_bar(tmp_path / "disco_mbpp"))
     assert "does NOT meet" in text and "Not run yet." in text
     assert json.loads((tmp_path / "disco_mbpp" / "bar.json").read_text())["best_learned"] == "learned:a"
 
