@@ -11,6 +11,7 @@ of per-prompt speedups. Definitions:
 - c = draft step time ÷ target step time (draft forwards timed in the loop, target step = target-only time per token);
 - cost_model_speedup = new tokens ÷ (target calls + c · draft calls): the speedup if a verification pass cost one
   target step — machine-independent given c;
+- oracle gap closed = (speedup − static K-opt's) ÷ (oracle's − static K-opt's), the study's bar (either speedup);
 - policy_overhead_frac = time in the policy (should_stop + observe, features included) ÷ time in draft steps;
 - lossless (greedy, exact policies) = every output equals the target-only output token for token;
   lossless_up_to_ties also accepts a divergence where the target's logits of the two tokens differ by < tie_tol
@@ -96,6 +97,11 @@ def measured_c(draft_s: float, draft_calls: int, target_s: float, target_calls: 
 def cost_model_speedup(tokens: int, target_calls: int, draft_calls: int, c: float) -> float:
     """New tokens ÷ (target calls + c · draft calls): the speedup if a verification pass cost one target step."""
     return tokens / (target_calls + c * draft_calls) if tokens and c == c else float("nan")
+
+
+def oracle_gap_closed(speedup, static, oracle):
+    """Share of the static-K-opt → oracle speedup gap a method closes (negative: below static K-opt); arrays too."""
+    return (speedup - static) / (oracle - static)
 
 
 def tokens_per_s(tokens, wall):

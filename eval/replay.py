@@ -41,7 +41,7 @@ from scipy.stats import norm
 from sklearn.metrics import roc_auc_score
 from tqdm.auto import tqdm
 
-from decode.metrics import cost_model_speedup, per_position
+from decode.metrics import cost_model_speedup, oracle_gap_closed, per_position
 from decode.policies import StopPolicy, build_policy, parse_spec
 from decode.runner import Method, choose, methods_from_cfg, tune_grid
 from models.features import DraftStep, continuation_starts
@@ -312,7 +312,8 @@ def gap_closed(table: dict) -> dict:
     lo, hi = table["static_opt"]["cost_model_speedup"], table["oracle"]["cost_model_speedup"]
     if hi <= lo:
         return {}
-    return {k: (r["cost_model_speedup"] - lo) / (hi - lo) for k, r in table.items() if k not in ("static_opt", "oracle")}
+    return {k: oracle_gap_closed(r["cost_model_speedup"], lo, hi) for k, r in table.items()
+            if k not in ("static_opt", "oracle")}
 
 
 def plot(result: dict, path: Path) -> Path | None:
