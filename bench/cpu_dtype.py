@@ -22,7 +22,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from decode.runner import machine  # noqa: E402
-from models.pair import cpu_bf16_is_fast  # noqa: E402
+from models.pair import cpu_has_native_bf16  # noqa: E402
 
 SHAPES = {"attn proj 576x576": (576, 576), "mlp up 576x1536": (576, 1536), "lm head 576x49152": (576, 49152)}
 
@@ -56,7 +56,7 @@ def main() -> None:
                          "bf16_over_fp32": bf16 / f32})
     name = machine()
     entry = {"machine": name, "torch": torch.__version__, "threads": args.threads,
-             "auto_resolves_to": "bfloat16" if cpu_bf16_is_fast() else "float32",
+             "auto_resolves_to": "bfloat16" if cpu_has_native_bf16() else "float32",
              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows}
     out = REPO / "bench" / "results" / "cpu_dtype.json"
     saved = json.loads(out.read_text()) if out.is_file() else {}

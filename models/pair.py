@@ -16,7 +16,6 @@ Sources (`target.source` / `draft.source`):
 from __future__ import annotations
 
 import copy
-import functools
 import hashlib
 import importlib.util
 import json
@@ -79,34 +78,49 @@ def resolve_device(name: str = "auto") -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device | None = None) -> torch.dtype:
-    """`auto`: bfloat16 on CUDA (float16 where the GPU lacks bf16); on CPU bfloat16 only where this CPU runs it
-    natively. Without bf16 instructions (many AMD/older Intel CPUs) bf16 products are emulated, measured 8-31x slower
-    than fp32 (bench/cpu_dtype.py), which would make batch-1 decoding crawl; there auto means float32."""
+    """`auto`: bfloat16 on CUDA (float16 where the GPU lacks bf16); on CPU bfloat16 exactly when the CPU has native
+    bf16 instructions (`cpu_has_native_bf16`), float32 elsewhere. A pure function of the machine: no timing decides
+    numerics, so a resumed trace or a rerun table gets the dtype it started with. Without bf16 instructions
+    (many AMD and older Intel CPUs) bf16 products are emulated, measured 8-31x slower than fp32 (bench/cpu_dtype.py)."""
     if name == "auto":
         if device is not None and device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.bfloat16 if cpu_bf16_is_fast() else torch.float32
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     if name not in DTYPES:
         raise UserError(f"unknown dtype '{name}'; known: auto, {', '.join(DTYPES)}")
     return DTYPES[name]
 
 
-@functools.lru_cache(maxsize=1)
-def cpu_bf16_is_fast() -> bool:
-    """A ~20 ms probe: is a bf16 matrix-vector product at most 1.5x the fp32 one on this CPU? (Native bf16 is faster
-    or equal; emulation is an order of magnitude slower, so the margin keeps the answer stable across runs.)"""
-    import time
+# x86: AVX512-BF16 (Cooper Lake, Zen 4+) or AMX-BF16 (Sapphire Rapids+); Arm: FEAT_BF16 ("bf16" in Features)
+NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 
-    def cost(dtype: torch.dtype) -> float:
-        x, w = torch.randn(1, 1024, dtype=dtype), torch.randn(1024, 1024, dtype=dtype)
-        for _ in range(3):
-            x @ w
-        t = time.perf_counter()
-        for _ in range(10):
-            x @ w
-        return time.perf_counter() - t
 
-    return cost(torch.bfloat16) <= 1.5 * cost(torch.float32)
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as the kernel reports them (/proc/cpuinfo `flags` on x86, `Features` on Arm);
+    on macOS the FEAT_BF16 sysctl; empty where neither can be read."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, val = line.partition(":")
+            if key.strip() in ("flags", "Features"):
+                return set(val.split())
+    except OSError:
+        pass
+    import platform
+    import subprocess
+
+    if platform.system() == "Darwin":
+        try:
+            out = subprocess.run(["sysctl", "-n", "hw.optional.arm.FEAT_BF16"], capture_output=True, text=True,
+                                 timeout=5).stdout.strip()
+            return {"bf16"} if out == "1" else set()
+        except (OSError, subprocess.SubprocessError):
+            return set()
+    return set()
+
+
+def cpu_has_native_bf16(flags: set[str] | None = None) -> bool:
+    """Does this CPU execute bf16 arithmetic natively? Read from its feature flags, never timed."""
+    return bool(NATIVE_BF16_FLAGS & (cpu_flags() if flags is None else set(flags)))
 
 
 # ------------------------------------------------------------------------------------------------------- tokenizers

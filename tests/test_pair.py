@@ -131,16 +131,53 @@ def test_unreachable_hub_id_is_one_clear_error(monkeypatch):
 
 
 def test_dtype_auto_resolves_per_device(monkeypatch):
-    """dtype=auto: bf16 on CUDA (fp16 without bf16 support); on CPU bf16 only if the probe finds it fast, else fp32;
-    a misspelt dtype is a one-line error that lists auto."""
+    """dtype=auto: bf16 on CUDA (fp16 without bf16 support); on CPU bf16 exactly when the CPU's flags list a native
+    bf16 instruction set, else fp32 — read from the flags, so CPU load cannot change it; a misspelt dtype is a
+    one-line error that lists auto."""
     import models.pair as mp
 
-    monkeypatch.setattr(mp, "cpu_bf16_is_fast", lambda: False)
+    zen4 = {"avx2", "avx512f", "avx512_bf16"}
+    spr = {"avx2", "avx512f", "amx_tile", "amx_bf16"}
+    zen3 = {"avx2", "fma", "sse4_2"}
+    arm_v86 = {"fp", "asimd", "bf16", "i8mm"}
+    assert mp.cpu_has_native_bf16(zen4) and mp.cpu_has_native_bf16(spr) and mp.cpu_has_native_bf16(arm_v86)
+    assert not mp.cpu_has_native_bf16(zen3) and not mp.cpu_has_native_bf16(set())
+    monkeypatch.setattr(mp, "cpu_flags", lambda: zen3)
     assert mp.resolve_dtype("auto", torch.device("cpu")) == torch.float32
-    monkeypatch.setattr(mp, "cpu_bf16_is_fast", lambda: True)
+    monkeypatch.setattr(mp, "cpu_flags", lambda: zen4)
     assert mp.resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
     assert mp.resolve_dtype("auto", torch.device("cuda")) == torch.float16
     assert mp.resolve_dtype("float32") == torch.float32
     with pytest.raises(UserError, match="known: auto, bfloat16"):
         mp.resolve_dtype("bf16")
+
+
+def test_dtype_auto_ignores_cpu_load():
+    """The same answer idle and with both cores busy (the old 20 ms timing probe flipped under load)."""
+    import multiprocessing as mpr
+    import time
+
+    import models.pair as mp
+
+    idle = [mp.resolve_dtype("auto", torch.device("cpu")) for _ in range(3)]
+    ctx = mpr.get_context("spawn")
+    burners = [ctx.Process(target=_burn, args=(3.0,)) for _ in range(2)]
+    for b in burners:
+        b.start()
+    time.sleep(1.0)  # let the spawned burners reach their loops
+    try:
+        busy = [mp.resolve_dtype("auto", torch.device("cpu")) for _ in range(3)]
+    finally:
+        for b in burners:
+            b.terminate()
+    assert set(idle) == set(busy) and len(set(idle)) == 1
+    assert idle[0] == (torch.bfloat16 if mp.cpu_has_native_bf16() else torch.float32)
+
+
+def _burn(seconds: float) -> None:
+    import time
+
+    end = time.time() + seconds
+    while time.time() < end:
+        pass
