@@ -9,19 +9,23 @@ of per-prompt speedups. Definitions:
 - per_position_acceptance[j] = P(drafted token j of a round is accepted | tokens 0..j−1 were), over verified tokens;
 - draft_length_hist = rounds per draft length;
 - c = draft step time ÷ target step time (draft forwards timed in the loop, target step = target-only time per token);
-- cost_model_speedup = new tokens ÷ (target calls + c · draft calls): the speedup if a verification pass cost one
-  target step — machine-independent given c;
+- cost_model_speedup = the speedup the run's call counts give under the measured cost profile (decode.profile):
+  each prompt's target-only and speculative generations costed call by call (prefills, a target pass over k+1
+  tokens per round at t_target(k+1), t_draft per draft call) — machine-independent given the profile, and what a
+  clock would show when the profile is this machine's;
 - oracle gap closed = (speedup − static K-opt's) ÷ (oracle's − static K-opt's), the study's bar (either speedup);
 - policy_overhead_frac = time in the policy (should_stop + observe, features included) ÷ time in draft steps;
 - lossless (greedy, exact policies) = every output equals the target-only output token for token;
-  lossless_up_to_ties also accepts a divergence where the target's logits of the two tokens differ by < tie_tol
-  (default 0.25, about bf16's resolution at logit scale ~30), i.e. a near-tie flipped by low-precision numerics.
+  lossless_up_to_ties also accepts a divergence where the target's logits of the two tokens differ by less than
+  `tie_tolerance`: `tie_ulps` units in the last place of the model's dtype at the logits' magnitude (bf16 at a
+  logit of 40: 4 × 0.25), i.e. a near-tie that a 1-token and a multi-token pass round differently.
 SPRINTER adds target_calls_saved_frac (vs target-only), agreement with target-only output, ROUGE-L and an estimate of
 the TVD of the emitted tokens from the target (TVD(p, q) on unchecked tokens, 0 on checked ones, per token).
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import numpy as np
@@ -94,9 +98,30 @@ def measured_c(draft_s: float, draft_calls: int, target_s: float, target_calls: 
     return (draft_s / draft_calls) / (target_s / target_calls)
 
 
-def cost_model_speedup(tokens: int, target_calls: int, draft_calls: int, c: float) -> float:
-    """New tokens ÷ (target calls + c · draft calls): the speedup if a verification pass cost one target step."""
-    return tokens / (target_calls + c * draft_calls) if tokens and c == c else float("nan")
+def cost_model_speedup(rows: list[dict], target_rows: list[dict], profile) -> float:
+    """Tokens/s of `rows` ÷ tokens/s of `target_rows`, each generation costed by `decode.profile.modeled_ms`."""
+    from decode.profile import modeled_ms
+
+    if profile is None:
+        return float("nan")
+    tokens, t_tokens = sum(r["new_tokens"] for r in rows), sum(r["new_tokens"] for r in target_rows)
+    cost = sum(modeled_ms(r, profile) for r in rows)
+    t_cost = sum(modeled_ms(r, profile) for r in target_rows)
+    if not tokens or not t_tokens or cost <= 0 or t_cost <= 0:
+        return float("nan")
+    return (tokens / cost) / (t_tokens / t_cost)
+
+
+# spacing of representable numbers at 1.0 (unit in the last place), per dtype name
+ULP_AT_ONE = {"bfloat16": 2.0 ** -7, "float16": 2.0 ** -10, "float32": 2.0 ** -23, "float64": 2.0 ** -52}
+
+
+def tie_tolerance(dtype: str, magnitude: float, ulps: float = 4.0) -> float:
+    """`ulps` units in the last place of `dtype` at |logit| = magnitude: below this a logit margin is a tie."""
+    name = str(dtype).replace("torch.", "")
+    if name not in ULP_AT_ONE:
+        raise ValueError(f"no ulp known for dtype {dtype}")
+    return float(ulps * ULP_AT_ONE[name] * 2.0 ** math.floor(math.log2(max(abs(magnitude), 1e-30))))
 
 
 def oracle_gap_closed(speedup, static, oracle):
@@ -110,8 +135,7 @@ def tokens_per_s(tokens, wall):
     return np.divide(tokens, wall, out=np.zeros(np.shape(wall)), where=np.asarray(wall) > 0)
 
 
-def summarize(rows: list[dict], target_rows: list[dict], c: float, greedy: bool, exact: bool,
-              tie_tol: float = 0.25) -> dict:
+def summarize(rows: list[dict], target_rows: list[dict], profile, greedy: bool, exact: bool) -> dict:
     """One method's summary from its per-prompt rows and target-only rows on the same prompts."""
     tokens = sum(r["new_tokens"] for r in rows)
     wall = sum(r["wall_s"] for r in rows)
@@ -132,7 +156,7 @@ def summarize(rows: list[dict], target_rows: list[dict], c: float, greedy: bool,
         "tokens_per_s": tps,
         "speedup": tps / t_tps if t_tps > 0 else float("nan"),
         "speedup_std": float(np.std(speedups)) if speedups else 0.0,
-        "cost_model_speedup": cost_model_speedup(tokens, target_calls, draft_calls, c),
+        "cost_model_speedup": cost_model_speedup(rows, target_rows, profile),
         "acceptance_rate": accepted / drafted if drafted else 0.0,
         "mean_accepted_length": tokens / target_calls if target_calls else 0.0,
         "target_calls_per_token": target_calls / tokens if tokens else 0.0,
@@ -140,9 +164,9 @@ def summarize(rows: list[dict], target_rows: list[dict], c: float, greedy: bool,
         "policy_overhead_frac": policy_s / draft_s if draft_s > 0 else 0.0,
         "lossless": (all(r.get("matches_target", False) for r in rows) if exact else False) if greedy else None,
         "mismatched_prompts": sum(not r.get("matches_target", True) for r in rows),
-        # every mismatch a near tie (target logit margin < tie_tol at the first divergence): low-precision numerics
-        "lossless_up_to_ties": (all(r.get("matches_target", False) or r.get("divergence_margin", 1e9) < tie_tol
-                                    for r in rows) if exact else False) if greedy else None,
+        # every mismatch a near tie (target logit margin below the dtype's tolerance at the first divergence)
+        "lossless_up_to_ties": (all(r.get("matches_target", False) or is_tie(r) for r in rows)
+                                if exact else False) if greedy else None,
         "per_position_acceptance": [acc_pos[j] / verified[j] if verified[j] else None for j in range(last + 1)],
         "draft_length_hist": {str(k): v for k, v in sorted(Counter(k for k, _ in rounds).items())},
         "mean_draft_length": drafted / len(rounds) if rounds else None,  # None: no per-round view (transformers)
@@ -162,6 +186,11 @@ def summarize(rows: list[dict], target_rows: list[dict], c: float, greedy: bool,
         for key in ("rouge_l_ref", "rouge_l_target"):
             out[key] = _mean_or_none([r.get(key) for r in rows])
     return out
+
+
+def is_tie(row: dict) -> bool:
+    """A mismatched greedy row whose first divergence is a near tie (runner.tie_margins sets both numbers)."""
+    return row.get("divergence_margin", math.inf) < row.get("divergence_tol", -math.inf)
 
 
 def target_summary(target_rows: list[dict]) -> dict:

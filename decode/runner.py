@@ -29,6 +29,7 @@ from tqdm import tqdm
 from decode import metrics
 from decode.loop import autoregressive, speculative
 from decode.policies import EXTERNAL, HEAD_POLICIES, build_policy, parse_spec
+from decode.profile import get_profile, machine
 from utils.cli import UserError
 
 log = logging.getLogger(__name__)
@@ -150,10 +151,11 @@ def _run_method(pol, pair, prompt_ids, max_new, temp, top_p, eos, gen, lookahead
     return speculative(pair, prompt_ids, pol, max_new, temp, top_p, eos, gen, lookahead=lookahead)
 
 
-def run_split(cfg: DictConfig, pair, split: str, methods: list[Method], desc: str = "",
+def run_split(cfg: DictConfig, pair, split: str, methods: list[Method], profile, desc: str = "",
               limit: int | None | str = "cfg") -> tuple[dict, list[dict], dict]:
     """Run target-only + methods on one split; returns (summary, per-prompt rows, per-task summaries — {} unless
-    the prompts carry a `task`, as Spec-Bench's do). No files written here."""
+    the prompts carry a `task`, as Spec-Bench's do). `profile` (decode.profile) costs the cost-model speedup.
+    No files written here."""
     from data_gen.prompts import load_prompts
 
     limit = cfg.get("limit") if limit == "cfg" else limit
@@ -183,7 +185,8 @@ def run_split(cfg: DictConfig, pair, split: str, methods: list[Method], desc: st
         ref = autoregressive(pair, prompt_ids, max_new, temp, top_p, eos, _gen(seed * 100003 + i))
         bar.update()
         ref_text = pair.tokenizer.decode(ref.tokens, skip_special_tokens=True)
-        rows.append({"method": "target", "prompt_id": prompt.prompt_id, **metrics.record(ref, None),
+        rows.append({"method": "target", "prompt_id": prompt.prompt_id, "prompt_tokens": len(prompt_ids),
+                     **metrics.record(ref, None),
                      "tokens": ref.tokens, "text": ref_text, **({"task": prompt.meta["task"]}
                                                                 if prompt.meta.get("task") else {})})
         if prompt.reference and any(p.approximate for p in policies.values()):
@@ -193,7 +196,8 @@ def run_split(cfg: DictConfig, pair, split: str, methods: list[Method], desc: st
             res = _run_method(pol, pair, prompt_ids, max_new, temp, top_p, eos, _gen(seed * 100003 + i),
                               ref.tokens if greedy else None)
             bar.update()
-            row = {"method": m.key, "prompt_id": prompt.prompt_id, **metrics.record(res, ref), "tokens": res.tokens}
+            row = {"method": m.key, "prompt_id": prompt.prompt_id, "prompt_tokens": len(prompt_ids),
+                   **metrics.record(res, ref), "tokens": res.tokens}
             if prompt.meta.get("task"):
                 row["task"] = prompt.meta["task"]
             row["text"] = pair.tokenizer.decode(res.tokens, skip_special_tokens=True)
@@ -204,7 +208,8 @@ def run_split(cfg: DictConfig, pair, split: str, methods: list[Method], desc: st
     bar.close()
 
     if greedy:
-        tie_margins(pair, rows, dict(zip([p.prompt_id for p in prompts], ids)), policies)
+        tie_margins(pair, rows, dict(zip([p.prompt_id for p in prompts], ids)), policies, cfg.get("tie_tol"),
+                    float(cfg.get("tie_ulps", 4)))
 
     # c from our loop's timed draft steps (transformers' loop exposes no draft/target split)
     ours = [r for r in rows if r["method"] != "target" and not getattr(policies[r["method"]], "external", False)]
@@ -218,8 +223,8 @@ def run_split(cfg: DictConfig, pair, split: str, methods: list[Method], desc: st
         summary = {"target": metrics.target_summary(target_rows)}
         for m in methods:
             pol = policies[m.key]
-            s = metrics.summarize([r for r in subset if r["method"] == m.key], target_rows, c, greedy,
-                                  not pol.approximate, float(cfg.get("tie_tol", 0.25)))
+            s = metrics.summarize([r for r in subset if r["method"] == m.key], target_rows, profile, greedy,
+                                  not pol.approximate)
             s.update(oracle=pol.oracle, approximate=pol.approximate, params=pol.describe(), measured_c=c,
                      external=bool(getattr(pol, "external", False)))
             summary[m.key] = s
@@ -232,10 +237,12 @@ def run_split(cfg: DictConfig, pair, split: str, methods: list[Method], desc: st
 
 
 @torch.inference_mode()
-def tie_margins(pair, rows: list[dict], prompt_ids: dict, policies: dict) -> None:
+def tie_margins(pair, rows: list[dict], prompt_ids: dict, policies: dict, tie_tol=None, tie_ulps: float = 4.0) -> None:
     """For each greedy exact output that differs from target-only: the target's logit margin between the two
-    tokens at the first divergence, from one untimed full pass over prompt + common prefix. A tiny margin means a
-    near-tie argmax flipped by low-precision numerics (a 1-token step vs a multi-token verify pass), not a bug."""
+    tokens at the first divergence, from one untimed full pass over prompt + common prefix, and the tolerance below
+    which that margin is a tie (`tie_tol` if set, else `tie_ulps` ulps of the pair's dtype at the larger logit).
+    A margin within it is a near-tie argmax flipped by low-precision numerics (a 1-token step vs a multi-token
+    verify pass round differently), not a bug."""
     ref = {r["prompt_id"]: r["tokens"] for r in rows if r["method"] == "target"}
     for r in rows:
         if r["method"] == "target" or r.get("matches_target", True) or policies[r["method"]].approximate:
@@ -243,11 +250,14 @@ def tie_margins(pair, rows: list[dict], prompt_ids: dict, policies: dict) -> Non
         j = r["prefix_match"]
         a, b = ref[r["prompt_id"]], r["tokens"]
         if j >= min(len(a), len(b)):  # one output is a prefix of the other (EOS): not a tie
-            r["divergence_margin"] = float("inf")
+            r["divergence_margin"], r["divergence_tol"] = float("inf"), 0.0
             continue
         x = torch.tensor([prompt_ids[r["prompt_id"]] + a[:j]], device=pair.device)
         logits = pair.target(x).logits[0, -1, : pair.vocab_size].float()
         r["divergence_margin"] = float((logits[a[j]] - logits[b[j]]).abs())
+        magnitude = float(torch.maximum(logits[a[j]].abs(), logits[b[j]].abs()))
+        r["divergence_tol"] = (float(tie_tol) if tie_tol is not None
+                               else metrics.tie_tolerance(str(pair.dtype), magnitude, tie_ulps))
 
 
 # ---------------------------------------------------------------------------------------------------------- output
@@ -366,23 +376,7 @@ def write_outputs(out_dir: Path, summary: dict, rows: list[dict], run_info: dict
     _atomic_write(out_dir / f"{prefix}summary.json", json.dumps(summary, indent=2))  # last: its presence = done
 
 
-def machine() -> str:
-    """CPU model and core count (and the GPU when there is one): the machine a table's numbers were measured on."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    out = f"{cpu}, {os.cpu_count()} cores"
-    if torch.cuda.is_available():
-        out += f", {torch.cuda.get_device_name(0)}"
-    return out
-
-
-def run_info(cfg: DictConfig, pair, split: str, summary: dict) -> dict:
+def run_info(cfg: DictConfig, pair, split: str, summary: dict, profile=None) -> dict:
     tuning = cfg.get("mode") == "tune" and split == str(cfg.tune.split)
     return {
         "pair": pair.pair_id, "draft": OmegaConf.to_container(cfg.pair.draft, resolve=True),
@@ -394,6 +388,7 @@ def run_info(cfg: DictConfig, pair, split: str, summary: dict) -> dict:
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": machine(),
         "policies": [str(p) for p in cfg.policies], "tuned": cfg.get("tuned"),
         "params": {k: v.get("params") for k, v in summary.items() if isinstance(v, dict) and v.get("params")},
+        "cost_profile": profile.to_dict() if profile is not None else None,
     }
 
 
@@ -448,25 +443,26 @@ def main(cfg: DictConfig) -> dict:
     pair = load_pair(cfg.pair)
     for m in methods:  # a bad checkpoint or parameter fails before any decoding
         build_policy(m.spec, m.params, pair=pair)
+    profile = get_profile(pair, cfg.get("profile"))  # measured once per machine, then cached
     out_dir = Path(cfg.out_dir) if cfg.get("out_dir") else _hydra_dir()
     make_plots = bool(cfg.get("plots", True))
     if mode in ("run", "sweep"):
         if mode == "sweep":  # every grid point of tune.grid as its own row, on `split`; nothing is chosen
             methods = tune_grid(cfg, methods)
         title = f"{pair.pair_id} · {cfg.dataset.name}/{cfg.split} · T={cfg.temperature} · {cfg.max_new_tokens} new tokens"
-        return _publish(cfg, pair, out_dir, str(cfg.split), run_split(cfg, pair, str(cfg.split), methods), title,
-                        make_plots)
+        result = run_split(cfg, pair, str(cfg.split), methods, profile)
+        return _publish(cfg, pair, out_dir, str(cfg.split), result, title, make_plots, profile)
     grid = tune_grid(cfg, methods, untuned=False)
     if not grid:
         raise UserError(f"mode=tune: none of {[m.key for m in methods]} has a grid in tune.grid; "
                         f"gridded: {sorted(OmegaConf.to_container(cfg.tune.grid) or {})}")
     metric = str(cfg.tune.metric)
-    tsum, trows, _ = run_split(cfg, pair, str(cfg.tune.split), grid, desc=f"tune on {cfg.tune.split}",
+    tsum, trows, _ = run_split(cfg, pair, str(cfg.tune.split), grid, profile, desc=f"tune on {cfg.tune.split}",
                                limit=cfg.tune.get("limit", cfg.get("limit")))
     chosen = choose(tsum, methods, grid, metric)
     tuned = {m.key: m.params for m in chosen}
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_outputs(out_dir, tsum, trows, run_info(cfg, pair, str(cfg.tune.split), tsum),
+    write_outputs(out_dir, tsum, trows, run_info(cfg, pair, str(cfg.tune.split), tsum, profile),
                   f"tuning on {cfg.tune.split} (metric {metric})", False, prefix="tune_")
     _atomic_write(out_dir / "tuned.json", json.dumps({"metric": metric, "split": str(cfg.tune.split),
                                                        "chosen": tuned}, indent=2))
@@ -475,14 +471,15 @@ def main(cfg: DictConfig) -> dict:
     if not cfg.tune.get("eval_split"):
         return tsum
     split = str(cfg.tune.eval_split)
-    return _publish(cfg, pair, out_dir, split, run_split(cfg, pair, split, chosen, desc=f"eval on {split}"),
-                    f"{pair.pair_id} · {cfg.dataset.name}/{split} · tuned on {cfg.tune.split}", make_plots)
+    return _publish(cfg, pair, out_dir, split, run_split(cfg, pair, split, chosen, profile, desc=f"eval on {split}"),
+                    f"{pair.pair_id} · {cfg.dataset.name}/{split} · tuned on {cfg.tune.split}", make_plots, profile)
 
 
-def _publish(cfg, pair, out_dir: Path, split: str, result: tuple, title: str, make_plots: bool) -> dict:
+def _publish(cfg, pair, out_dir: Path, split: str, result: tuple, title: str, make_plots: bool, profile) -> dict:
     """Write a run's outputs (summary, per-prompt rows, run info, plots) and print its tables."""
     summary, rows, by_task = result
-    write_outputs(out_dir, summary, rows, run_info(cfg, pair, split, summary), title, make_plots, by_task=by_task)
+    write_outputs(out_dir, summary, rows, run_info(cfg, pair, split, summary, profile), title, make_plots,
+                  by_task=by_task)
     print(markdown_table(summary, title))
     if by_task:
         print(task_table(by_task, title))

@@ -146,7 +146,7 @@ def check_same_tokenizer(target_tok, draft_tok, target_name: str, draft_name: st
 # ---------------------------------------------------------------------------------------------------------- sources
 
 
-def _cache_root(cfg: DictConfig) -> Path:
+def cache_root(cfg: DictConfig) -> Path:
     root = cfg.get("cache_dir") or os.environ.get("SPECSTOP_CACHE") or "~/.cache/specstop"
     return Path(os.path.expanduser(str(root)))
 
@@ -325,7 +325,7 @@ def _build(src: DictConfig, role: str, cfg: DictConfig, dtype: torch.dtype, targ
     if kind == "hf":
         return _load_hf(str(src.path), dtype, src.get("revision"))
     if kind == "gguf":
-        return _load_hf(str(_gguf_to_cache(src, _cache_root(cfg))), dtype)
+        return _load_hf(str(_gguf_to_cache(src, cache_root(cfg))), dtype)
     if kind in ("layer_subset", "student") and role == "target":
         raise UserError(f"target.source={kind} is a derived draft; the target needs hf, gguf or tiny_random")
     if kind == "layer_subset":
@@ -337,6 +337,30 @@ def _build(src: DictConfig, role: str, cfg: DictConfig, dtype: torch.dtype, targ
 
 def _describe(src: DictConfig) -> str:
     return str(src.get("path") or src.get("file") or src.get("weights") or src.get("source"))
+
+
+def _head_width(model) -> int:
+    head = model.get_output_embeddings()
+    return int(getattr(head, "out_features", None) or head.weight.shape[0])
+
+
+def reduce_draft_vocab(draft, tokenizer, src: DictConfig, vocab: int):
+    """FR-Spec: the draft scores only the `vocab_subset` most frequent tokens of `vocab_freq` (plus the special
+    tokens), through `models.lm_head.SubsetHead`; the target keeps the whole vocabulary, so exact verification stays
+    lossless. The draft's own head is replaced, never the target's (a shared Linear stays with the target)."""
+    from models.lm_head import SubsetHead, read_frequencies, subset_ids
+
+    if not src.get("vocab_freq"):
+        raise UserError("draft.vocab_subset needs draft.vocab_freq (a file from `python -m train.vocab_subset`)")
+    path = Path(str(src.vocab_freq))
+    freq = read_frequencies(path if path.is_absolute() else REPO_ROOT / path)
+    always = set(getattr(tokenizer, "all_special_ids", []) or [])
+    gen_eos = getattr(draft.generation_config, "eos_token_id", None)
+    always.update(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos] if gen_eos is not None else [])
+    ids = subset_ids(freq, int(src.vocab_subset), always, vocab)
+    head = draft.get_output_embeddings()
+    draft.set_output_embeddings(SubsetHead(head.weight[:vocab], ids.to(head.weight.device), vocab))
+    return draft
 
 
 def load_pair(cfg: DictConfig | str) -> Pair:
@@ -352,7 +376,9 @@ def load_pair(cfg: DictConfig | str) -> Pair:
     draft.to(device).eval()
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
-    vocab = min(target.get_output_embeddings().weight.shape[0], draft.get_output_embeddings().weight.shape[0])
+    vocab = min(_head_width(target), _head_width(draft))
+    if cfg.draft.get("vocab_subset"):
+        draft = reduce_draft_vocab(draft, tok, cfg.draft, vocab)
     return Pair(
         name=str(cfg.name),
         draft=draft,

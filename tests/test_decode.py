@@ -313,15 +313,29 @@ def test_tie_margin_of_a_divergence(tiny_pair):
     rows = [{"method": "target", "prompt_id": "a", "tokens": ref},
             {"method": "constant", "prompt_id": "a", "tokens": other, "matches_target": False,
              **agreement(other, ref)}]
-    tie_margins(tiny_pair, rows, {"a": ids}, {"constant": build_policy("constant", {})})
     margin = float(logits[ref[3]] - logits[second])
-    assert rows[1]["divergence_margin"] == pytest.approx(margin, abs=1e-4)
     base = {"new_tokens": 8, "wall_s": 1.0, "target_calls": 4, "draft_calls": 8, "drafted": 8, "accepted": 4,
             "draft_s": 0.1, "policy_s": 0.0, "rounds": [[2, 1]] * 4}
-    s = summarize([{**rows[1], **base}], [{**base, "draft_calls": 0}], 0.2, True, True, tie_tol=margin + 1)
-    assert s["lossless"] is False and s["lossless_up_to_ties"] is True
-    s = summarize([{**rows[1], **base}], [{**base, "draft_calls": 0}], 0.2, True, True, tie_tol=margin / 2)
-    assert s["lossless_up_to_ties"] is False
+    for tol, tie in ((margin + 1, True), (margin / 2, False)):
+        tie_margins(tiny_pair, rows, {"a": ids}, {"constant": build_policy("constant", {})}, tie_tol=tol)
+        assert rows[1]["divergence_margin"] == pytest.approx(margin, abs=1e-4)
+        s = summarize([{**rows[1], **base}], [{**base, "draft_calls": 0}], None, True, True)
+        assert s["lossless"] is False and s["lossless_up_to_ties"] is tie
+    # by default the tolerance follows the dtype: 4 ulps of float32 at these logits, far below a real margin
+    tie_margins(tiny_pair, rows, {"a": ids}, {"constant": build_policy("constant", {})})
+    assert 0 < rows[1]["divergence_tol"] < 1e-4
+    assert summarize([{**rows[1], **base}], [{**base, "draft_calls": 0}], None, True, True)["lossless_up_to_ties"] is (
+        margin < rows[1]["divergence_tol"])
+
+
+def test_tie_tolerance_follows_dtype_resolution():
+    """4 ulps at the logit's magnitude: bf16 at 40 → 1.0, at 20 → 0.5; float32 at 40 → 4 × 2^-18."""
+    from decode.metrics import tie_tolerance
+
+    assert tie_tolerance("torch.bfloat16", 40.0) == 1.0
+    assert tie_tolerance("bfloat16", -20.0) == 0.5
+    assert tie_tolerance("float32", 40.0) == pytest.approx(4 * 2.0 ** -18)
+    assert tie_tolerance("bfloat16", 40.0, ulps=1) == 0.25
 
 
 # ------------------------------------------------------------------------------------------ study-facing features

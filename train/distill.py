@@ -41,7 +41,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from eval.theory import best_gamma
-from models.pair import STUDENT_META, Pair, _cache_root, _decoder_parts, layer_subset, load_pair, load_student
+from models.pair import STUDENT_META, Pair, cache_root, _decoder_parts, layer_subset, load_pair, load_student
 from utils.cli import UserError, check_name, hydra_entry
 
 log = logging.getLogger(__name__)
@@ -192,7 +192,7 @@ def _key(*parts) -> str:
 def build_data(pair: Pair, cfg: DictConfig) -> tuple[list[dict], list[dict], list[dict], Path]:
     """(train items, held-out continuations, held-out text) — from the cache when present."""
     d = cfg.data
-    root = Path(os.path.expanduser(str(d.cache_dir))) if d.get("cache_dir") else _cache_root(pair.cfg) / "distill"
+    root = Path(os.path.expanduser(str(d.cache_dir))) if d.get("cache_dir") else cache_root(pair.cfg) / "distill"
     root = root / pair.pair_id
     base = (pair.pair_id, pair.tokenizer_hash, CODE_VERSION)
     train = []

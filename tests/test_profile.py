@@ -1,0 +1,192 @@
+"""The measured cost profile and the cost model that reads it; the decode-time LM head (fast float32 product,
+FR-Spec reduced-vocabulary draft) and its losslessness."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+from scipy.stats import chisquare
+
+from decode.loop import autoregressive, speculative
+from decode.metrics import cost_model_speedup
+from decode.policies import build_policy
+from decode.profile import CostProfile, get_profile, modeled_ms
+from models.features import draft_probs
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models on a shared 2-core machine run fastest single-threaded."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+SMALL = {"max_n": 4, "context": 16, "prefill_lengths": [8, 16], "repeats": 2, "warmup": 1}
+
+
+def flat_profile(c: float, target_ms=None) -> CostProfile:
+    """Every target pass costs one step (or `target_ms`), a draft step c, a prefill one target step / c."""
+    target_ms = target_ms or [1.0] * 8
+    return CostProfile(key={}, draft_ms=[c, c], target_ms=target_ms, prefill_lengths=[1, 1000],
+                       prefill_target_ms=[1.0, 1.0], prefill_draft_ms=[c, c], context=16, repeats=1)
+
+
+def test_profile_is_measured_once_then_cached(tiny_pair, tmp_path, monkeypatch):
+    """The first call measures t_draft(1..2), t_target(1..max_n) and prefills; the second reads the cache (a
+    second measurement would fail here); refresh=true measures again."""
+    import decode.profile as dp
+
+    monkeypatch.setenv("SPECSTOP_CACHE", str(tmp_path))
+    prof = get_profile(tiny_pair, SMALL)
+    assert len(prof.target_ms) == 4 and len(prof.draft_ms) == 2 and len(prof.prefill_target_ms) == 2
+    assert all(t > 0 for t in prof.target_ms + prof.draft_ms + prof.prefill_draft_ms)
+    assert prof.key["dtype"] == "float32" and prof.key["threads"] == 1
+    assert list((tmp_path / "profiles").glob("tiny_random-*.json"))
+    monkeypatch.setattr(dp, "measure", lambda *a, **k: pytest.fail("measured again despite the cache"))
+    again = get_profile(tiny_pair, SMALL)
+    assert again.target_ms == prof.target_ms
+    with pytest.raises(pytest.fail.Exception):
+        get_profile(tiny_pair, {**SMALL, "refresh": True})
+
+
+def test_profile_curve_interpolates_and_extends():
+    prof = flat_profile(0.2, target_ms=[10.0, 12.0, 14.0])
+    assert prof.target(2) == 12.0 and prof.target(2.5) == 13.0
+    assert prof.target(5) == 18.0  # linear past the measured range
+    assert prof.verify_ratio(3) == pytest.approx(1.4) and prof.cost_ratio == pytest.approx(0.02)
+    assert CostProfile.from_dict(json.loads(json.dumps(prof.to_dict()))).target_ms == prof.target_ms
+
+
+def test_cost_model_reduces_to_constant_c_on_a_flat_profile():
+    """With every pass one target step and prefills costed as steps, the profile's cost model is the classic
+    new tokens ÷ (target calls + c · draft calls)."""
+    c = 0.25
+    spec = {"new_tokens": 20, "target_calls": 6, "draft_calls": 15, "drafted": 15,
+            "rounds": [[3, 3], [3, 2], [2, 2], [3, 3], [2, 2], [2, 1]], "prompt_tokens": 40}
+    base = {"new_tokens": 20, "target_calls": 20, "draft_calls": 0, "prompt_tokens": 40}
+    got = cost_model_speedup([spec], [base], flat_profile(c))
+    assert got == pytest.approx(20 / (6 + c * 15))
+
+
+def test_cost_model_charges_longer_verification():
+    """A profile where a K+1-token pass costs more than one step lowers the modeled speedup of long rounds."""
+    spec = {"new_tokens": 20, "target_calls": 5, "draft_calls": 20, "drafted": 20, "rounds": [[4, 3]] * 5,
+            "prompt_tokens": 40}
+    base = {"new_tokens": 20, "target_calls": 20, "draft_calls": 0, "prompt_tokens": 40}
+    flat = cost_model_speedup([spec], [base], flat_profile(0.1))
+    steep = cost_model_speedup([spec], [base], flat_profile(0.1, target_ms=[1.0, 1.2, 1.4, 1.6, 1.8]))
+    assert steep < flat
+    assert modeled_ms(spec, flat_profile(0.1, target_ms=[1.0, 1.2, 1.4, 1.6, 1.8])) == pytest.approx(
+        1.0 + 4 * 1.8 + 0.1 + 19 * 0.1)
+
+
+def test_decode_run_json_carries_the_profile(cli, tmp_path):
+    out = tmp_path / "run"
+    r = cli("decode", "pair=tiny_random", "dataset=mbpp", "split=test", "limit=2", "max_new_tokens=8", "threads=1",
+            "plots=false", "policies=[constant,svip]", f"out_dir={out}", f"+pair.cache_dir={tmp_path}/cache",
+            "profile.max_n=5", "profile.repeats=2")
+    assert r.returncode == 0, r.stderr[-2000:]
+    info = json.loads((out / "run.json").read_text())
+    prof = info["cost_profile"]
+    assert len(prof["target_ms"]) == 5 and prof["key"]["pair"] == "tiny_random"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["constant"]["cost_model_speedup"] > 0
+    rows = [json.loads(x) for x in (out / "prompts.jsonl").read_text().splitlines()]
+    assert all(r["prompt_tokens"] > 0 for r in rows)
+
+
+def test_profile_cli_prints_the_curve(cli, tmp_path):
+    out = tmp_path / "p.json"
+    r = cli("decode.profile", "pair=tiny_random", "threads=1", f"+pair.cache_dir={tmp_path}", "profile.max_n=3",
+            "profile.repeats=2", f"out={out}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "target pass over n tokens" in r.stdout and "c = " in r.stdout
+    assert len(json.loads(out.read_text())["target_ms"]) == 3
+
+
+# ------------------------------------------------------------------------------------------------------ LM head
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 9])
+def test_fast_float32_product_equals_linear(n):
+    from models.lm_head import project
+
+    g = torch.Generator().manual_seed(n)
+    w, h = torch.randn(1000, 48, generator=g), torch.randn(n, 48, generator=g)
+    got = project(h, w)
+    assert got.shape == (n, 1000) and got.is_contiguous()
+    torch.testing.assert_close(got, torch.nn.functional.linear(h, w), rtol=1e-5, atol=1e-4)
+
+
+def subset_pair(tiny_cfg, tmp_path, n: int):
+    from models.pair import load_pair
+
+    freq = tmp_path / "freq.json"
+    freq.write_text(json.dumps({"ids_by_frequency": list(range(3, 200))}))
+    cfg = OmegaConf.merge(tiny_cfg, {"draft": {"vocab_subset": n, "vocab_freq": str(freq)}})
+    return load_pair(cfg)
+
+
+def test_subset_draft_scores_only_its_tokens(tiny_cfg, tmp_path):
+    from models.lm_head import SubsetHead
+
+    pair = subset_pair(tiny_cfg, tmp_path, 20)
+    head = pair.draft.get_output_embeddings()
+    assert isinstance(head, SubsetHead) and pair.vocab_size == head.out_features
+    assert not isinstance(pair.target.get_output_embeddings(), SubsetHead)  # the target keeps the whole vocabulary
+    logits = pair.draft(torch.tensor([[5, 6, 7]])).logits[0, -1]
+    q = draft_probs(logits)
+    keep = set(head.ids.tolist())
+    assert keep >= set(range(3, 23))
+    outside = [i for i in range(pair.vocab_size) if i not in keep]
+    assert float(q[outside].sum()) == 0.0 and float(q.sum()) == pytest.approx(1.0)
+
+
+def test_subset_draft_is_lossless_greedy(tiny_cfg, tmp_path):
+    from decode.runner import eos_ids
+
+    pair = subset_pair(tiny_cfg, tmp_path, 12)
+    for text in ("def add(a, b):\n    return", "The quick brown fox"):
+        ids = pair.tokenizer(text)["input_ids"]
+        ref = autoregressive(pair, ids, 24, eos=eos_ids(pair))
+        for name in ("constant", "svip", "max_confidence"):
+            res = speculative(pair, ids, build_policy(name, {}), 24, eos=eos_ids(pair))
+            assert res.tokens == ref.tokens, name
+
+
+def test_subset_draft_sampling_follows_the_target(tiny_cfg, tmp_path):
+    """Exact sampling with a subset draft: the first emitted token follows p (chi-square, α = 0.001), although
+    q is zero on most of the vocabulary."""
+    pair = subset_pair(tiny_cfg, tmp_path, 8)
+    ids = pair.tokenizer("The quick brown fox")["input_ids"]
+    with torch.no_grad():
+        p = draft_probs(pair.target(torch.tensor([ids])).logits[0, -1, : pair.vocab_size], 1.0).double()
+    n = 800
+    counts = torch.zeros_like(p)
+    pol = build_policy("constant", {"k": 3})
+    for s in range(n):
+        res = speculative(pair, ids, pol, 1, temperature=1.0, generator=torch.Generator().manual_seed(s))
+        counts[res.tokens[0]] += 1
+    expected = p * n
+    big = expected >= 15
+    obs = np.append(counts[big].numpy(), counts[~big].sum().item())
+    exp = np.append(expected[big].numpy(), expected[~big].sum().item())
+    assert big.sum() >= 3
+    assert chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 1e-3
+
+
+def test_subset_errors_are_one_line(tiny_cfg, tmp_path):
+    from models.pair import load_pair
+    from utils.cli import UserError
+
+    with pytest.raises(UserError, match="vocab_freq"):
+        load_pair(OmegaConf.merge(tiny_cfg, {"draft": {"vocab_subset": 10}}))
+    with pytest.raises(UserError, match="not found"):
+        load_pair(OmegaConf.merge(tiny_cfg, {"draft": {"vocab_subset": 10, "vocab_freq": str(tmp_path / "x")}}))
+    with pytest.raises(UserError, match="must be in 1.."):
+        subset_pair(tiny_cfg, tmp_path, 10 ** 7)

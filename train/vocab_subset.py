@@ -1,0 +1,113 @@
+"""`python -m train.vocab_subset pair=NAME`: token frequencies for a reduced-vocabulary draft (FR-Spec).
+
+FR-Spec (arXiv 2502.14856) lets the draft score only the N most frequent tokens: its LM head — two thirds of a
+4-layer SmolLM2 draft step — shrinks by V/N while the target keeps the full vocabulary, so verification stays
+exact. This job counts tokens in the target's own greedy continuations of non-test prompts (what the draft must
+propose) and in human text of the same domains (conf/vocab_subset.yaml), and writes the ids by frequency to
+`out` (JSON: ids_by_frequency, counts, sources, coverage). `models.pair.reduce_draft_vocab` reads it.
+`coverage.traces` scores, for each size in `coverage.sizes`, the share of a trace folder's target tokens the subset
+contains (an upper bound on greedy acceptance of a subset draft relative to the full one).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections import Counter
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from utils.cli import UserError, check_name, hydra_entry
+
+
+def _prompts(dataset: str, split: str, limit):
+    from data_gen.prompts import load_prompts
+
+    if split == "test":
+        raise UserError(f"vocab_subset counts must not use a test split (dataset {dataset}); use train or prompt")
+    return load_prompts(OmegaConf.load(check_name("dataset", dataset)), split, None if limit is None else int(limit))
+
+
+def count_tokens(pair, cfg: DictConfig) -> tuple[Counter, list[dict]]:
+    """Token counts over the target's continuations and the human text the config names."""
+    from data_gen.prompts import render
+    from train.distill import generate_continuations
+
+    counts: Counter = Counter()
+    sources = []
+    g = cfg.generate
+    for src in g.sources:
+        prompts = _prompts(src.dataset, src.split, src.get("limit"))
+        texts = [render(p, pair.tokenizer, pair.chat_template) for p in prompts]
+        items = generate_continuations(pair, texts, int(g.max_new_tokens), int(g.batch_size), 0.0, 1, 4096,
+                                       int(cfg.seed), f"target continuations {src.dataset}/{src.split}")
+        n = 0
+        for it in items:
+            new = it["ids"][int(it["start"]):].tolist()
+            counts.update(new)
+            n += len(new)
+        sources.append({"kind": "target_greedy", "dataset": src.dataset, "split": src.split, "prompts": len(texts),
+                        "tokens": n})
+    for src in cfg.text:
+        n = 0
+        for p in _prompts(src.dataset, src.split, src.get("limit")):
+            for text in (p.text, p.reference or ""):
+                ids = pair.tokenizer(text, add_special_tokens=False)["input_ids"]
+                counts.update(ids)
+                n += len(ids)
+        sources.append({"kind": "text", "dataset": src.dataset, "split": src.split, "tokens": n})
+    return counts, sources
+
+
+def coverage(ids_by_freq: list[int], sizes: list[int], folders: list[str]) -> dict:
+    """Share of each trace folder's target tokens inside the top-N subset, per N."""
+    from data_gen.store import load_traces
+
+    out = {}
+    for folder in folders:
+        ds, _ = load_traces(folder)
+        tokens = torch.as_tensor(ds.with_format("numpy")["target_token"])
+        rank = torch.full((max(ids_by_freq + [int(tokens.max())]) + 1,), len(ids_by_freq), dtype=torch.long)
+        rank[torch.tensor(ids_by_freq)] = torch.arange(len(ids_by_freq))
+        r = rank[tokens]
+        out[Path(folder).name] = {str(n): float((r < n).float().mean()) for n in sizes}
+    return out
+
+
+def main(cfg: DictConfig) -> dict:
+    if cfg.get("threads"):
+        torch.set_num_threads(int(cfg.threads))
+    from models.pair import load_pair
+
+    pair = load_pair(cfg.pair)
+    counts, sources = count_tokens(pair, cfg)
+    ids = [i for i, _ in counts.most_common()]
+    result = {
+        "pair": pair.pair_id, "tokenizer_hash": pair.tokenizer_hash, "vocab": pair.vocab_size,
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "sources": sources,
+        "distinct_tokens": len(ids), "total_tokens": sum(counts.values()),
+        "coverage": coverage(ids, list(cfg.coverage.sizes), list(cfg.coverage.traces or [])),
+        "ids_by_frequency": ids, "counts": [counts[i] for i in ids],
+    }
+    out = Path(str(cfg.out))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.")
+    with os.fdopen(fd, "w") as fh:
+        json.dump(result, fh)
+    os.replace(tmp, out)
+    print(f"{len(ids)} distinct tokens of {result['total_tokens']} counted; coverage {json.dumps(result['coverage'])}")
+    print(f"wrote {out}")
+    return result
+
+
+@hydra_entry("vocab_subset")
+def _entry(cfg):
+    main(cfg)
+
+
+if __name__ == "__main__":
+    _entry()
