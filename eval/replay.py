@@ -11,8 +11,8 @@ Up to a round's first rejected token the policy sees exactly what it sees in dec
 across rounds every round's accepted count (hence tokens and target calls) is the decoder's, and so is its draft
 length when it stopped by that rejection (tested). Past it the draft would run on its own wrong token and the replay
 shows the on-path row instead: those rounds' lengths are approximate (`past_rejection`: their share), and so is an
-adaptive policy's state (AdaEDL, heuristic). Time is the cost model of decode.metrics (a verification pass costs one
-target step, a draft step c), not a clock. In exchange a whole threshold grid replays in seconds and without timing
+adaptive policy's state (AdaEDL, heuristic). Time is the cost model of decode.metrics under a measured cost profile
+(decode.profile: a verification pass over k+1 tokens costs t_target(k+1), a draft step t_draft), not a clock. In exchange a whole threshold grid replays in seconds and without timing
 noise, which separates what a stop rule can gain from what a machine's verification cost and noise do to it.
 
 It reads the decode experiment's `policies`, `policy.*` and `tune.grid` (the same config as `python -m decode`):
@@ -42,6 +42,7 @@ from sklearn.metrics import roc_auc_score
 from tqdm.auto import tqdm
 
 from decode.metrics import cost_model_speedup, oracle_gap_closed, per_position
+from decode.profile import CostProfile
 from decode.policies import StopPolicy, build_policy, parse_spec
 from decode.runner import Method, choose, methods_from_cfg, tune_grid
 from models.features import DraftStep, continuation_starts
@@ -168,15 +169,22 @@ def replay_one(policy: StopPolicy, cont: Continuation, synthetic=None) -> list[t
     return rounds
 
 
-def summarize(rounds_per_cont: list[list[tuple[int, int]]], c: float) -> dict:
-    """Cost-model numbers of one replayed method (the decode summary's definitions, decode.metrics)."""
+def summarize(rounds_per_cont: list[list[tuple[int, int]]], profile: CostProfile) -> dict:
+    """Cost-model numbers of one replayed method (the decode summary's definitions, decode.metrics): each
+    continuation costed like a decode row under `profile` against its target-only generation."""
+    rows = []
+    for rs in rounds_per_cont:
+        n_tok = sum(n + 1 for _, n in rs)
+        rows.append({"new_tokens": n_tok, "target_calls": len(rs), "draft_calls": sum(k for k, _ in rs),
+                     "drafted": sum(k for k, _ in rs), "rounds": rs})
+    base = [{"new_tokens": r["new_tokens"], "target_calls": r["new_tokens"], "draft_calls": 0} for r in rows]
     rounds = [r for rs in rounds_per_cont for r in rs]
     tokens = sum(n + 1 for _, n in rounds)
     drafted = sum(k for k, _ in rounds)
     accepted = sum(n for _, n in rounds)
     verified, acc_pos = per_position(rounds, limit=8)
     return {
-        "cost_model_speedup": cost_model_speedup(tokens, len(rounds), drafted, c),
+        "cost_model_speedup": cost_model_speedup(rows, base, profile),
         "acceptance_rate": accepted / drafted if drafted else 0.0,
         "mean_accepted_length": tokens / len(rounds) if rounds else 0.0,
         "draft_calls_per_token": drafted / tokens if tokens else 0.0,
@@ -197,18 +205,19 @@ def build(method: Method, manifest: dict, folder: Path) -> StopPolicy:
     return pol
 
 
-def replay(methods: list[Method], conts, manifest, folder, c: float, desc: str, cols: dict | None = None) -> dict:
+def replay(methods: list[Method], conts, manifest, folder, profile: CostProfile, desc: str,
+           cols: dict | None = None) -> dict:
     """Each method's replay summary; with the folder's `cols`, also the AUROC of the score its policy thresholds."""
     out = {}
     for m in tqdm(methods, desc=desc, unit="method", leave=False):
         pol = build(m, manifest, folder)
-        out[m.key] = summarize([replay_one(pol, cont) for cont in conts], c)
+        out[m.key] = summarize([replay_one(pol, cont) for cont in conts], profile)
         if cols is not None:
             out[m.key]["score_auroc"] = score_auroc(pol, cols)
     return out
 
 
-def replay_synthetic(aurocs, conts_tune, conts_eval, c: float, seed: int) -> dict:
+def replay_synthetic(aurocs, conts_tune, conts_eval, profile: CostProfile, seed: int) -> dict:
     """Per AUROC: the threshold with the best tuning-split speedup, then the eval split's speedup and realised AUROC."""
     out = {}
     for a in aurocs:
@@ -218,7 +227,7 @@ def replay_synthetic(aurocs, conts_tune, conts_eval, c: float, seed: int) -> dic
 
         def run(th, conts, scores):
             pol = SyntheticHead(th)
-            return summarize([replay_one(pol, cont, sc) for cont, sc in zip(conts, scores)], c)
+            return summarize([replay_one(pol, cont, sc) for cont, sc in zip(conts, scores)], profile)
 
         tuned = {th: run(th, conts_tune, s_tune)["cost_model_speedup"] for th in grid}
         best = max(tuned, key=tuned.get)
@@ -229,21 +238,37 @@ def replay_synthetic(aurocs, conts_tune, conts_eval, c: float, seed: int) -> dic
     return out
 
 
-def measured_c(cfg_replay) -> tuple[float, str]:
-    """c from replay.c, else the measured_c of a decode run (replay.c_from: its run.json)."""
+def constant_profile(c: float) -> CostProfile:
+    """The classic cost model as a profile: every target pass one step, a draft step c, prefills likewise."""
+    return CostProfile(key={"constant_c": c}, draft_ms=[c], target_ms=[1.0], prefill_lengths=[1],
+                       prefill_target_ms=[1.0], prefill_draft_ms=[c], context=1, repeats=0)
+
+
+def cost_profile(cfg_replay) -> tuple[CostProfile, str]:
+    """The cost profile to replay under: `replay.c` (a constant c, for what-if runs), else `replay.c_from` — a
+    decode run's run.json (its `cost_profile`; an older run.json without one falls back to its measured_c) or a
+    profile file from `python -m decode.profile out=F`."""
     if cfg_replay.get("c") is not None:
-        return float(cfg_replay.c), "replay.c"
+        return constant_profile(float(cfg_replay.c)), f"constant c = {float(cfg_replay.c):.3f} (replay.c)"
     src = cfg_replay.get("c_from")
     if not src:
-        raise UserError("the replay needs the cost ratio c: replay.c_from=RUN/run.json (a decode run) or replay.c=0.26")
+        raise UserError("the replay needs a cost profile: replay.c_from=RUN/run.json (a decode run) or a profile file "
+                        "(python -m decode.profile out=F), or replay.c=0.26 for a constant cost ratio")
     path = Path(str(src))
     try:
-        c = float(json.loads(path.read_text())["measured_c"])
+        data = json.loads(path.read_text())
     except FileNotFoundError:
-        raise UserError(f"replay.c_from={path}: no such file; pass a decode run's run.json") from None
-    except (ValueError, KeyError, TypeError):
-        raise UserError(f"replay.c_from={path} has no measured_c; pass a decode run's run.json") from None
-    return c, str(path)
+        raise UserError(f"replay.c_from={path}: no such file; pass a decode run's run.json or a profile file") from None
+    except ValueError:
+        raise UserError(f"replay.c_from={path} is not JSON; pass a decode run's run.json or a profile file") from None
+    if isinstance(data, dict) and "target_ms" in data:
+        return CostProfile.from_dict(data), f"profile {path}"
+    if isinstance(data, dict) and data.get("cost_profile"):
+        return CostProfile.from_dict(data["cost_profile"]), f"cost profile of {path}"
+    if isinstance(data, dict) and isinstance(data.get("measured_c"), (int, float)):
+        c = float(data["measured_c"])
+        return constant_profile(c), f"constant c = {c:.3f} ({path} has no cost profile)"
+    raise UserError(f"replay.c_from={path} holds neither a cost_profile nor a measured_c; pass a decode run's run.json")
 
 
 def markdown(result: dict) -> str:
@@ -350,7 +375,7 @@ def run(cfg: DictConfig) -> dict:
     if not rc.get("tune") or not rc.get("eval"):
         raise UserError("pass the trace folders: replay.tune=VAL_TRACES replay.eval=TEST_TRACES (greedy target_ar, "
                         "python -m data_gen trace=target_ar split=validation|test limit=N)")
-    c, c_from = measured_c(rc)
+    profile, c_from = cost_profile(rc)
     if rc.get("compare") and not (Path(str(rc.compare)) / "summary.json").is_file():
         raise UserError(f"replay.compare={rc.compare} has no summary.json; pass a python -m decode out_dir run on the "
                         "eval traces' prompts (same dataset, split, limit and max_new_tokens)")
@@ -370,14 +395,15 @@ def run(cfg: DictConfig) -> dict:
         else:
             methods.append(m)
     grid = tune_grid(cfg, methods, untuned=False)
-    tuned = replay(grid, conts_tune, man_tune, Path(str(rc.tune)), c, "replay tune")
+    tuned = replay(grid, conts_tune, man_tune, Path(str(rc.tune)), profile, "replay tune")
     chosen = choose(tuned, methods, grid, "cost_model_speedup")
-    table = replay(chosen, conts_eval, man_eval, Path(str(rc.eval)), c, "replay eval", cols_eval)
-    synthetic = replay_synthetic(aurocs, conts_tune, conts_eval, c, int(cfg.seed))
+    table = replay(chosen, conts_eval, man_eval, Path(str(rc.eval)), profile, "replay eval", cols_eval)
+    synthetic = replay_synthetic(aurocs, conts_tune, conts_eval, profile, int(cfg.seed))
     table.update(synthetic)
     gap = gap_closed(table)
     result = {
-        "settings": {"tune": str(rc.tune), "eval": str(rc.eval), "c": c, "c_from": c_from,
+        "settings": {"tune": str(rc.tune), "eval": str(rc.eval), "c": profile.cost_ratio, "c_from": c_from,
+                     "cost_profile": profile.to_dict(),
                      "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                      "tune_rows": sum(len(x.accepted) for x in conts_tune),
                      "eval_rows": sum(len(x.accepted) for x in conts_eval), "pair": man_eval.get("pair_id"),

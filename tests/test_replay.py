@@ -116,6 +116,12 @@ def test_replay_table_synthetic_heads_and_bad_input(traces, tmp_path):
     for k in ("static_opt", "oracle"):
         assert cmp[k]["draft_calls_per_token_replay"] == pytest.approx(cmp[k]["draft_calls_per_token_decode"])
     assert "Replayed vs decoded" in (tmp_path / "r2" / "replay.md").read_text()
+    # the decode run's measured cost profile drives the replay's cost model when given instead of a constant c
+    prof = run(cfg_of("replay", *base, "replay.c=null", f"replay.c_from={tmp_path / 'dec' / 'run.json'}",
+                      "replay.synthetic_auroc=[]", f"replay.out_dir={tmp_path / 'r3'}"))
+    assert prof["settings"]["c_from"].startswith("cost profile of")
+    assert prof["settings"]["cost_profile"]["target_ms"] == json.loads(
+        (tmp_path / "dec" / "run.json").read_text())["cost_profile"]["target_ms"]
 
     with pytest.raises(UserError, match="no summary.json"):
         run(cfg_of("replay", *base, f"replay.compare={tmp_path / 'nowhere'}", f"replay.out_dir={tmp_path / 'x'}"))
