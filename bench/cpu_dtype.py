@@ -21,7 +21,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from decode.profile import machine  # noqa: E402
+from models.cost import machine  # noqa: E402
 from models.pair import cpu_has_native_bf16  # noqa: E402
 
 SHAPES = {"attn proj 576x576": (576, 576), "mlp up 576x1536": (576, 1536), "lm head 576x49152": (576, 49152)}

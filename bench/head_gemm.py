@@ -4,7 +4,7 @@
 
 1. The LM head's product at the default pair's shape (49,152 × 576) for n = 1..9 rows: torch's `F.linear(h, W)`
    against `models.lm_head.project` (W @ hᵀ, one row padded to two), in float32 and bfloat16.
-2. The target's cost curve t(n)/t(1) in float32 (decode.profile.measure, the loop's own calls) with torch's product
+2. The target's cost curve t(n)/t(1) in float32 (models.cost.measure, the loop's own calls) with torch's product
    ("before") and with `project` ("after"); and bf16 for reference.
 Writes bench/results/head_gemm.json (one entry per machine) and head_gemm.md.
 """
@@ -25,7 +25,7 @@ import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 import models.lm_head as lm_head  # noqa: E402
-from decode.profile import DEFAULTS, machine, measure  # noqa: E402
+from models.cost import DEFAULTS, machine, measure  # noqa: E402
 
 OUT = REPO / "bench" / "results"
 
@@ -97,7 +97,7 @@ def main() -> None:
             for form in ("F.linear", "project"):
                 lines.append(f"| {dt} | {form} | " + " | ".join(f"{rows[str(n)][form]:.1f}" if str(n) in rows
                                                                else f"{rows[n][form]:.1f}" for n in range(1, 10)) + " |")
-        lines += ["", "Target pass over n tokens ÷ one target step (decode.profile, the loop's own calls):", "",
+        lines += ["", "Target pass over n tokens ÷ one target step (models.cost, the loop's own calls):", "",
                   "| setting | t(1) ms | draft ms | c | " + " | ".join(f"n={n}" for n in range(2, 10)) + " |",
                   "|---|---|---|---|" + "---|" * 8]
         for label, c in e["target_curve"].items():

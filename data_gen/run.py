@@ -169,6 +169,7 @@ def generate(cfg: DictConfig, split: str, pair=None) -> Path:
     if str(pair.name) != str(cfg.pair.name):
         raise UserError(f"generate() got pair {pair.name} but cfg.pair is {cfg.pair.name}; pass the matching pair")
     from data_gen.traces import trace_batch
+    from models.cost import get_profile
 
     items, note = prepare_items(cfg, pair, prompts, s)
     if note:
@@ -215,6 +216,8 @@ def generate(cfg: DictConfig, split: str, pair=None) -> Path:
             "top_p": float(cfg.trace.get("top_p", 1.0)),
             "max_new_tokens": int(cfg.trace.max_new_tokens),
             "vocab_size": pair.vocab_size,
+            # what a draft step and a target pass cost on the machine that made these traces (models.cost)
+            "cost_profile": get_profile(pair, cfg.get("profile")).to_dict(),
             "prompts_per_shard": pps,
             "num_prompts": len(items),
             "num_shards_planned": n_planned,

@@ -18,7 +18,8 @@ import copy
 
 import torch
 
-from decode.loop import GenResult, _Clock
+from decode.loop import GenResult
+from models.lm import Clock
 
 
 class HFAssisted:
@@ -63,7 +64,7 @@ class HFAssisted:
             kwargs = {"do_sample": True, "temperature": float(temperature), "top_p": float(top_p), "top_k": 0}
             if generator is not None:
                 torch.manual_seed(generator.initial_seed())  # transformers samples from the global RNG
-        clock = _Clock(pair.device)
+        clock = Clock(pair.device)
         try:
             t0 = clock()
             out = pair.target.generate(x, attention_mask=torch.ones_like(x), assistant_model=self.assistant,

@@ -20,53 +20,10 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
 
 from decode.verify import greedy_verify, sample_verify, sprinter_verify
 from models.features import DraftStep, draft_probs, tvd
-from models.lm_head import head_logits
-
-
-class LM:
-    """A causal LM called with a KV cache, returning logits (sliced to the pair vocab) and last hidden states.
-
-    Uses the base model + output embedding directly (hidden = the final-norm output that produces the logits, as
-    models.features defines it) so the LM head runs only on the positions asked for, through
-    `models.lm_head.head_logits` (float32 on CPU avoids torch's slow small-row product there). Models that post-process
-    logits (softcapping, logit scales) go through the full forward instead.
-    """
-
-    def __init__(self, model, vocab_size: int):
-        self.model = model
-        self.vocab = vocab_size
-        cfg = model.config
-        self.plain = (
-            hasattr(model, "base_model")
-            and model.get_output_embeddings() is not None
-            and not getattr(cfg, "final_logit_softcapping", None)
-            and not getattr(cfg, "logit_scale", None)
-        )
-        self.base = model.base_model if self.plain else None
-        self.head = model.get_output_embeddings() if self.plain else None
-        self.device = next(model.parameters()).device
-
-    def new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self.model.config)
-
-    def __call__(self, ids: list[int], cache: DynamicCache, last: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Run `ids` after the cache; logits (last, V) and hidden (last, d) of the final `last` positions (0 = none)."""
-        x = torch.tensor([ids], device=self.device)
-        if self.plain:
-            h = self.base(input_ids=x, past_key_values=cache, use_cache=True).last_hidden_state[0]
-            if last == 0:
-                return None, None
-            h = h[-last:]
-            return head_logits(self.head, h)[..., : self.vocab], h
-        out = self.model(input_ids=x, past_key_values=cache, use_cache=True, output_hidden_states=True,
-                         logits_to_keep=max(last, 1))
-        if last == 0:
-            return None, None
-        return out.logits[0, -last:, : self.vocab], out.hidden_states[-1][0, -last:]
+from models.lm import LM, Clock
 
 
 @dataclass
@@ -87,18 +44,6 @@ class GenResult:
     tvd_sum: float = 0.0  # SPRINTER: Σ TVD(p, q) over unchecked tokens (the emitted law there is q, not p)
 
 
-class _Clock:
-    """perf_counter that synchronises CUDA first, so timed regions on GPU measure finished work."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def __call__(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter()
-
-
 def _eos_cut(tokens: list[int], eos: set[int]) -> tuple[list[int], bool]:
     for i, t in enumerate(tokens):
         if t in eos:
@@ -111,7 +56,7 @@ def autoregressive(pair, prompt_ids: list[int], max_new_tokens: int, temperature
                    eos: set[int] | None = None, generator: torch.Generator | None = None) -> GenResult:
     """Target-only decoding with the same model calls as the speculative loop (the speedup baseline)."""
     lm = LM(pair.target, pair.vocab_size)
-    clock = _Clock(lm.device)
+    clock = Clock(lm.device)
     eos = eos or set()
     t0 = clock()
     cache = lm.new_cache()
@@ -149,7 +94,7 @@ def speculative(pair, prompt_ids: list[int], policy, max_new_tokens: int, temper
     want_h = bool(policy.needs_hidden)
     eos = eos or set()
     draft, target = LM(pair.draft, pair.vocab_size), LM(pair.target, pair.vocab_size)
-    clock = _Clock(target.device)
+    clock = Clock(target.device)
     now = time.perf_counter
 
     t0 = clock()

@@ -9,7 +9,7 @@ of per-prompt speedups. Definitions:
 - per_position_acceptance[j] = P(drafted token j of a round is accepted | tokens 0..j−1 were), over verified tokens;
 - draft_length_hist = rounds per draft length;
 - c = draft step time ÷ target step time (draft forwards timed in the loop, target step = target-only time per token);
-- cost_model_speedup = the speedup the run's call counts give under the measured cost profile (decode.profile):
+- cost_model_speedup = the speedup the run's call counts give under the measured cost profile (models.cost):
   each prompt's target-only and speculative generations costed call by call (prefills, a target pass over k+1
   tokens per round at t_target(k+1), t_draft per draft call) — machine-independent given the profile, and what a
   clock would show when the profile is this machine's;
@@ -99,8 +99,8 @@ def measured_c(draft_s: float, draft_calls: int, target_s: float, target_calls: 
 
 
 def cost_model_speedup(rows: list[dict], target_rows: list[dict], profile) -> float:
-    """Tokens/s of `rows` ÷ tokens/s of `target_rows`, each generation costed by `decode.profile.modeled_ms`."""
-    from decode.profile import modeled_ms
+    """Tokens/s of `rows` ÷ tokens/s of `target_rows`, each generation costed by `models.cost.modeled_ms`."""
+    from models.cost import modeled_ms
 
     if profile is None:
         return float("nan")

@@ -29,7 +29,7 @@ from tqdm import tqdm
 from decode import metrics
 from decode.loop import autoregressive, speculative
 from decode.policies import EXTERNAL, HEAD_POLICIES, build_policy, parse_spec
-from decode.profile import get_profile, machine
+from models.cost import get_profile, machine
 from utils.cli import UserError
 
 log = logging.getLogger(__name__)
@@ -154,7 +154,7 @@ def _run_method(pol, pair, prompt_ids, max_new, temp, top_p, eos, gen, lookahead
 def run_split(cfg: DictConfig, pair, split: str, methods: list[Method], profile, desc: str = "",
               limit: int | None | str = "cfg") -> tuple[dict, list[dict], dict]:
     """Run target-only + methods on one split; returns (summary, per-prompt rows, per-task summaries — {} unless
-    the prompts carry a `task`, as Spec-Bench's do). `profile` (decode.profile) costs the cost-model speedup.
+    the prompts carry a `task`, as Spec-Bench's do). `profile` (models.cost) costs the cost-model speedup.
     No files written here."""
     from data_gen.prompts import load_prompts
 

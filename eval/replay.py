@@ -12,7 +12,7 @@ across rounds every round's accepted count (hence tokens and target calls) is th
 length when it stopped by that rejection (tested). Past it the draft would run on its own wrong token and the replay
 shows the on-path row instead: those rounds' lengths are approximate (`past_rejection`: their share), and so is an
 adaptive policy's state (AdaEDL, heuristic). Time is the cost model of decode.metrics under a measured cost profile
-(decode.profile: a verification pass over k+1 tokens costs t_target(k+1), a draft step t_draft), not a clock. In exchange a whole threshold grid replays in seconds and without timing
+(models.cost: a verification pass over k+1 tokens costs t_target(k+1), a draft step t_draft), not a clock. In exchange a whole threshold grid replays in seconds and without timing
 noise, which separates what a stop rule can gain from what a machine's verification cost and noise do to it.
 
 It reads the decode experiment's `policies`, `policy.*` and `tune.grid` (the same config as `python -m decode`):
@@ -42,7 +42,7 @@ from sklearn.metrics import roc_auc_score
 from tqdm.auto import tqdm
 
 from decode.metrics import cost_model_speedup, oracle_gap_closed, per_position
-from decode.profile import CostProfile
+from models.cost import CostProfile
 from decode.policies import StopPolicy, build_policy, parse_spec
 from decode.runner import Method, choose, methods_from_cfg, tune_grid
 from models.features import DraftStep, continuation_starts

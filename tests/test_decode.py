@@ -10,7 +10,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from decode.loop import LM, autoregressive, speculative
+from decode.loop import autoregressive, speculative
+from models.lm import LM
 from decode.policies import Learned, Sprinter, StopPolicy, build_policy
 from models.features import FeatureSpec, draft_probs, entropy, topk_probs
 

@@ -14,7 +14,7 @@ from scipy.stats import chisquare
 from decode.loop import autoregressive, speculative
 from decode.metrics import cost_model_speedup
 from decode.policies import build_policy
-from decode.profile import CostProfile, get_profile, modeled_ms
+from models.cost import CostProfile, get_profile, modeled_ms
 from models.features import draft_probs
 
 @pytest.fixture(scope="module", autouse=True)
@@ -39,7 +39,7 @@ def flat_profile(c: float, target_ms=None) -> CostProfile:
 def test_profile_is_measured_once_then_cached(tiny_pair, tmp_path, monkeypatch):
     """The first call measures t_draft(1..2), t_target(1..max_n) and prefills; the second reads the cache (a
     second measurement would fail here); refresh=true measures again."""
-    import decode.profile as dp
+    import models.cost as dp
 
     monkeypatch.setenv("SPECSTOP_CACHE", str(tmp_path))
     prof = get_profile(tiny_pair, SMALL)

@@ -32,10 +32,20 @@ def _prompts(dataset: str, split: str, limit):
     return load_prompts(OmegaConf.load(check_name("dataset", dataset)), split, None if limit is None else int(limit))
 
 
+def _strings(x) -> list[str]:
+    """A reference as flat strings (Spec-Bench's are a string, a list, or a list of lists)."""
+    if x is None:
+        return []
+    if isinstance(x, str):
+        return [x]
+    return [s for item in x for s in _strings(item)]
+
+
 def count_tokens(pair, cfg: DictConfig) -> tuple[Counter, list[dict]]:
     """Token counts over the target's continuations and the human text the config names."""
     from data_gen.prompts import render
-    from train.distill import generate_continuations
+    from models.pair import cache_root
+    from train.distill import _cached, _key, generate_continuations
 
     counts: Counter = Counter()
     sources = []
@@ -43,8 +53,12 @@ def count_tokens(pair, cfg: DictConfig) -> tuple[Counter, list[dict]]:
     for src in g.sources:
         prompts = _prompts(src.dataset, src.split, src.get("limit"))
         texts = [render(p, pair.tokenizer, pair.chat_template) for p in prompts]
-        items = generate_continuations(pair, texts, int(g.max_new_tokens), int(g.batch_size), 0.0, 1, 4096,
-                                       int(cfg.seed), f"target continuations {src.dataset}/{src.split}")
+        key = _key(pair.pair_id, pair.tokenizer_hash, str(pair.dtype), src.dataset, src.split, src.get("limit"),
+                   int(g.max_new_tokens), int(cfg.seed))
+        items = _cached(cache_root(pair.cfg) / "vocab_subset" / f"gen-{src.dataset}-{src.split}-{key}.pt",
+                        lambda: generate_continuations(pair, texts, int(g.max_new_tokens), int(g.batch_size), 0.0, 1,
+                                                       4096, int(cfg.seed),
+                                                       f"target continuations {src.dataset}/{src.split}"))
         n = 0
         for it in items:
             new = it["ids"][int(it["start"]):].tolist()
@@ -55,7 +69,7 @@ def count_tokens(pair, cfg: DictConfig) -> tuple[Counter, list[dict]]:
     for src in cfg.text:
         n = 0
         for p in _prompts(src.dataset, src.split, src.get("limit")):
-            for text in (p.text, p.reference or ""):
+            for text in [p.text, *_strings(p.reference)]:
                 ids = pair.tokenizer(text, add_special_tokens=False)["input_ids"]
                 counts.update(ids)
                 n += len(ids)

@@ -1,0 +1,265 @@
+"""The measured cost profile: what a draft step and a target pass over n tokens cost on this machine.
+
+`python -m decode.profile pair=NAME [threads=N] [profile.refresh=true]` prints it (the entry point is
+decode/profile.py; the profile lives here, below data_gen and decode, because both write it).
+
+The cost model used to assume a verification pass over K+1 tokens costs one target step and a draft step c of one.
+On a CPU neither holds: in float32 a 3-token target pass cost 2× a 1-token one on a 2-core AMD EPYC, in bf16 1.1×.
+So every cost the project models (decode's cost-model speedup, `mode=tune` by that metric, `eval.replay`, the
+expected-value stop rule) reads this curve instead:
+- `draft_ms[n-1]`: one draft call on n new tokens (1, or 2 after a fully accepted round) with logits at the last;
+- `target_ms[n-1]`: one target call on n new tokens with logits at all n (verification of n-1 drafted tokens);
+- `prefill_ms`: first calls on a fresh cache of L prompt tokens, for a few L (interpolated between them).
+Each is the median of `repeats` timed calls after warm-up, through `models.lm.LM` (the loop's own code path), at
+a context of `context` tokens. Measured once per (pair, draft, dtype, device, threads, torch, machine) and cached
+under `<cache>/profiles/`; every decode run.json and trace manifest carries the profile it used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import tempfile
+
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from utils.cli import UserError
+
+PROFILE_VERSION = 1
+
+
+def machine() -> str:
+    """CPU model and core count (and the GPU when there is one): the machine a number was measured on."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    out = f"{cpu}, {os.cpu_count()} cores"
+    if torch.cuda.is_available():
+        out += f", {torch.cuda.get_device_name(0)}"
+    return out
+
+
+@dataclass
+class CostProfile:
+    """t_draft(n), t_target(n) for n = 1..len, and prefill times, in milliseconds (module docstring)."""
+
+    key: dict
+    draft_ms: list[float]
+    target_ms: list[float]
+    prefill_lengths: list[int]
+    prefill_target_ms: list[float]
+    prefill_draft_ms: list[float]
+    context: int
+    repeats: int
+    date: str = ""
+    extra: dict = field(default_factory=dict)
+
+    # -- reading the curve ------------------------------------------------------------------------------------
+    def target(self, n) -> np.ndarray | float:
+        """t_target(n) in ms; linear beyond the measured range (n may be an array)."""
+        return _interp(n, np.arange(1, len(self.target_ms) + 1), self.target_ms)
+
+    def draft(self, n=1) -> np.ndarray | float:
+        return _interp(n, np.arange(1, len(self.draft_ms) + 1), self.draft_ms)
+
+    def prefill_target(self, length) -> np.ndarray | float:
+        return _interp(length, self.prefill_lengths, self.prefill_target_ms)
+
+    def prefill_draft(self, length) -> np.ndarray | float:
+        return _interp(length, self.prefill_lengths, self.prefill_draft_ms)
+
+    @property
+    def cost_ratio(self) -> float:
+        """t_draft(1) ÷ t_target(1): the classic constant c."""
+        return float(self.draft_ms[0] / self.target_ms[0])
+
+    def verify_ratio(self, n) -> np.ndarray | float:
+        """t_target(n) ÷ t_target(1): what a verification pass over n tokens costs in target steps."""
+        return self.target(n) / self.target_ms[0]
+
+    # -- storage ----------------------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["version"] = PROFILE_VERSION
+        d["cost_ratio"] = self.cost_ratio
+        d["verify_ratio"] = [round(float(self.verify_ratio(n)), 4) for n in range(1, len(self.target_ms) + 1)]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CostProfile":
+        if not isinstance(d, dict) or d.get("version") != PROFILE_VERSION:
+            raise UserError("cost profile has another format version; remeasure it (profile.refresh=true)")
+        names = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    def summary(self) -> str:
+        ns = [n for n in (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 41) if n <= len(self.target_ms)]
+        lines = [f"cost profile · {self.key.get('pair')} · {self.key.get('dtype')} on {self.key.get('device')} · "
+                 f"{self.key.get('threads')} threads · {self.key.get('machine')} · measured {self.date}",
+                 f"draft step {self.draft_ms[0]:.2f} ms, target step {self.target_ms[0]:.2f} ms, "
+                 f"c = {self.cost_ratio:.3f}",
+                 "target pass over n tokens ÷ target step: "
+                 + ", ".join(f"n={n} {float(self.verify_ratio(n)):.2f}" for n in ns),
+                 "prefill (ms) target / draft: " + ", ".join(
+                     f"L={L} {t:.0f}/{d:.0f}" for L, t, d in zip(self.prefill_lengths, self.prefill_target_ms,
+                                                               self.prefill_draft_ms))]
+        return "\n".join(lines)
+
+
+def _interp(x, xs, ys):
+    """Piecewise-linear through (xs, ys), extended linearly past both ends (a pass over more tokens costs more)."""
+    xs, ys = np.asarray(xs, dtype=float), np.asarray(ys, dtype=float)
+    x_arr = np.asarray(x, dtype=float)
+    if len(xs) == 1:
+        out = np.full(x_arr.shape, ys[0])
+    else:
+        out = np.interp(x_arr, xs, ys)
+        lo = (ys[1] - ys[0]) / (xs[1] - xs[0])
+        hi = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+        out = np.where(x_arr < xs[0], ys[0] + lo * (x_arr - xs[0]), out)
+        out = np.where(x_arr > xs[-1], ys[-1] + hi * (x_arr - xs[-1]), out)
+    return float(out) if np.ndim(out) == 0 else out
+
+
+# ---------------------------------------------------------------------------------------------------- measuring
+
+
+def profile_key(pair, settings: DictConfig) -> dict:
+    """What the profile depends on: the same key reuses the cached measurement."""
+    draft = OmegaConf.to_container(pair.cfg.draft, resolve=True) if isinstance(pair.cfg, DictConfig) else {}
+    return {"pair": pair.pair_id, "draft": draft, "dtype": str(pair.dtype).replace("torch.", ""),
+            "device": str(pair.device), "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "machine": machine(), "max_n": int(settings.max_n), "context": int(settings.context),
+            "prefill_lengths": [int(x) for x in settings.prefill_lengths]}
+
+
+@torch.inference_mode()
+def measure(pair, settings: DictConfig, progress: bool = True) -> CostProfile:
+    """Time the loop's own model calls (models.lm.LM) on this machine; see the module docstring."""
+    from tqdm import tqdm
+
+    from models.lm import LM, Clock
+
+    repeats, warmup = int(settings.repeats), int(settings.warmup)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(100, max(pair.vocab_size - 1, 101), (max(int(settings.context),
+                        max(settings.prefill_lengths)) + int(settings.max_n) + 2,), generator=gen).tolist()
+    clock = Clock(pair.device)
+
+    def timed(fn) -> float:
+        for _ in range(warmup):
+            fn()
+        ts = []
+        for _ in range(repeats):
+            t = clock()
+            fn()
+            ts.append(clock() - t)
+        return 1000 * statistics.median(ts)
+
+    def step_curve(lm: LM, ns: list[int], last_all: bool, bar) -> list[float]:
+        cache = lm.new_cache()
+        lm(ids[: int(settings.context)], cache, last=0)
+        out = []
+        for n in ns:
+            chunk = ids[int(settings.context): int(settings.context) + n]
+
+            def call():
+                lm(chunk, cache, last=n if last_all else 1)
+                cache.crop(-n)
+
+            out.append(timed(call))
+            bar.update()
+        return out
+
+    def prefill(lm: LM, length: int) -> float:
+        return timed(lambda: lm(ids[:length], lm.new_cache(), last=1))
+
+    draft, target = LM(pair.draft, pair.vocab_size), LM(pair.target, pair.vocab_size)
+    max_n = int(settings.max_n)
+    lengths = [int(x) for x in settings.prefill_lengths]
+    with tqdm(total=2 + max_n + 2 * len(lengths), desc="cost profile", unit="point", disable=not progress) as bar:
+        draft_ms = step_curve(draft, [1, 2], False, bar)
+        target_ms = step_curve(target, list(range(1, max_n + 1)), True, bar)
+        pre_t, pre_d = [], []
+        for length in lengths:
+            pre_t.append(prefill(target, length))
+            bar.update()
+            pre_d.append(prefill(draft, length))
+            bar.update()
+    return CostProfile(key=profile_key(pair, settings), draft_ms=draft_ms, target_ms=target_ms,
+                       prefill_lengths=lengths, prefill_target_ms=pre_t, prefill_draft_ms=pre_d,
+                       context=int(settings.context), repeats=repeats,
+                       date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+
+
+def cache_path(pair, key: dict) -> Path:
+    from models.pair import cache_root
+
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_root(pair.cfg) / "profiles" / f"{pair.pair_id}-{digest}.json"
+
+
+def get_profile(pair, settings: DictConfig | dict | None = None) -> CostProfile:
+    """The cached profile for this pair and machine, measured first when there is none (or `refresh`)."""
+    settings = OmegaConf.merge(DEFAULTS, settings or {})
+    if settings.get("file"):  # a profile measured elsewhere (e.g. to replay another machine's costs)
+        path = Path(str(settings.file))
+        if not path.is_file():
+            raise UserError(f"profile.file={path}: no such file; pass a profile.json from `python -m decode.profile`")
+        return CostProfile.from_dict(json.loads(path.read_text()))
+    key = profile_key(pair, settings)
+    path = cache_path(pair, key)
+    if path.is_file() and not settings.get("refresh"):
+        try:
+            return CostProfile.from_dict(json.loads(path.read_text()))
+        except (ValueError, UserError, TypeError):
+            pass  # an unreadable or old cache entry is remeasured, never trusted
+    prof = measure(pair, settings)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as fh:
+        json.dump(prof.to_dict(), fh, indent=1)
+    os.replace(tmp, path)
+    return prof
+
+
+DEFAULTS = OmegaConf.load(Path(__file__).resolve().parent.parent / "conf" / "profile" / "default.yaml")
+
+
+# ------------------------------------------------------------------------------------------------- cost model
+
+
+def modeled_ms(row: dict, prof: CostProfile) -> float:
+    """What one decode row (a prompt's target-only or speculative generation) costs under the profile.
+
+    Target-only: a prefill of the prompt, then one 1-token step per further token. Speculative: both prefills
+    (the target's first call also verifies the first round, so it runs prompt + k₁ tokens), one target pass over
+    k+1 tokens per later round, one draft step per further draft call. transformers' loop (no per-round record)
+    is costed at its mean round length.
+    """
+    prompt = int(row.get("prompt_tokens") or prof.context)
+    tcalls, dcalls = int(row["target_calls"]), int(row["draft_calls"])
+    if not dcalls:  # target-only
+        return float(prof.prefill_target(prompt) + max(tcalls - 1, 0) * prof.target(1))
+    rounds = row.get("rounds") or []
+    if rounds:
+        ks = np.array([k for k, _ in rounds], dtype=float)
+        target = prof.prefill_target(prompt + ks[0]) + float(np.sum(prof.target(ks[1:] + 1)))
+    else:
+        mean_k = row.get("drafted", 0) / max(tcalls, 1)
+        target = prof.prefill_target(prompt + mean_k) + (tcalls - 1) * prof.target(mean_k + 1)
+    return float(target + prof.prefill_draft(prompt) + max(dcalls - 1, 0) * prof.draft(1))

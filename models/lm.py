@@ -1,0 +1,65 @@
+"""A causal LM called step by step with a KV cache — the one way the speculative loop, the target-only baseline and
+the cost profile call a model, so what the profile times is what decoding runs."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from transformers import DynamicCache
+
+from models.lm_head import head_logits
+
+
+class LM:
+    """A causal LM called with a KV cache, returning logits (sliced to the pair vocab) and last hidden states.
+
+    Uses the base model + output embedding directly (hidden = the final-norm output that produces the logits, as
+    models.features defines it) so the LM head runs only on the positions asked for, through
+    `models.lm_head.head_logits` (float32 on CPU avoids torch's slow small-row product there). Models that post-process
+    logits (softcapping, logit scales) go through the full forward instead.
+    """
+
+    def __init__(self, model, vocab_size: int):
+        self.model = model
+        self.vocab = vocab_size
+        cfg = model.config
+        self.plain = (
+            hasattr(model, "base_model")
+            and model.get_output_embeddings() is not None
+            and not getattr(cfg, "final_logit_softcapping", None)
+            and not getattr(cfg, "logit_scale", None)
+        )
+        self.base = model.base_model if self.plain else None
+        self.head = model.get_output_embeddings() if self.plain else None
+        self.device = next(model.parameters()).device
+
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.model.config)
+
+    def __call__(self, ids: list[int], cache: DynamicCache, last: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Run `ids` after the cache; logits (last, V) and hidden (last, d) of the final `last` positions (0 = none)."""
+        x = torch.tensor([ids], device=self.device)
+        if self.plain:
+            h = self.base(input_ids=x, past_key_values=cache, use_cache=True).last_hidden_state[0]
+            if last == 0:
+                return None, None
+            h = h[-last:]
+            return head_logits(self.head, h)[..., : self.vocab], h
+        out = self.model(input_ids=x, past_key_values=cache, use_cache=True, output_hidden_states=True,
+                         logits_to_keep=max(last, 1))
+        if last == 0:
+            return None, None
+        return out.logits[0, -last:, : self.vocab], out.hidden_states[-1][0, -last:]
+
+
+class Clock:
+    """perf_counter that synchronises CUDA first, so timed regions on GPU measure finished work."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def __call__(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
