@@ -170,3 +170,23 @@ def test_head_features_bench(traces, tmp_path):
     with pytest.raises(SystemExit):
         mod.main(["--train", str(traces["sampled"]), "--test", str(traces["test"]), "--out", str(tmp_path / "x")])
     assert not (tmp_path / "x").exists()
+
+
+def test_replay_logger_wandb_offline_run_holds_the_table(traces, tmp_path):
+    """eval.replay with logger=wandb: an offline run under replay.out_dir with the replay table and its curve."""
+    from decode import wandb_log
+    from eval.replay import run
+    from tests.test_decode import wandb_run_dir, wandb_table
+
+    out = tmp_path / "r"
+    cfg = cfg_of("replay", "+experiment=study_disco_mbpp", "pair=tiny_random", f"replay.tune={traces['validation']}",
+                 f"replay.eval={traces['test']}", "policies=[constant,svip]", "replay.c=0.3",
+                 "replay.synthetic_auroc=[0.8]", "logger=wandb", f"replay.out_dir={out}")
+    with wandb_log.session(cfg, out, "replay"):
+        res = run(cfg)
+    run_dir = wandb_run_dir(out)
+    table = wandb_table(run_dir, "replay/table")
+    got = {row[0]: dict(zip(table["columns"], row)) for row in table["data"]}
+    assert set(got) == set(res["eval"])
+    assert got["svip"]["cost_model_speedup"] == pytest.approx(res["eval"]["svip"]["cost_model_speedup"])
+    wandb_table(run_dir, "replay/speedup_vs_auroc_table")
