@@ -13,7 +13,9 @@ One run per job under `<out_dir>/wandb/offline-run-*` (`wandb sync <out_dir>/wan
 A Hydra multirun (`python -m decode -m policy.svip.h=0.2,0.3,0.4 logger=wandb`) puts every job's run in one group
 named after the sweep folder; `SweepCallback` (conf/decode.yaml `hydra.callbacks`) then adds one run to that group
 holding the speedup-vs-parameter chart of every swept parameter (`sweep/speedup_vs_<param>`) and the table behind it.
-The runs are closed in `finally`, so a failed job still leaves a complete run and the next job gets its own.
+A job's results are queued while it runs and written to its run when it ends (`session`'s `finally`): W&B's
+service never competes with timed decoding, a failed job still leaves a closed run of what it logged (exit code 1),
+a job that fails before logging anything (a user error) leaves no W&B folder, and the next job gets its own run.
 """
 
 from __future__ import annotations
