@@ -178,23 +178,13 @@ def generate(cfg: DictConfig, split: str, pair=None) -> Path:
     n_planned = math.ceil(len(items) / pps)
     dtype = str(pair.dtype).replace("torch.", "")  # what pair.dtype=auto resolved to on this machine
     if resuming:
-        if manifest.get("tokenizer_hash") != pair.tokenizer_hash:
-            raise UserError(
-                f"traces at {folder} were made with tokenizer {manifest.get('tokenizer_hash')} but pair {pair.name} now has "
-                f"{pair.tokenizer_hash}; rerun with overwrite=true to regenerate them"
-            )
-        if manifest.get("dtype", dtype) != dtype:  # dtype=auto can resolve differently on another machine
-            raise UserError(
-                f"traces at {folder} were started in {manifest['dtype']} but this machine resolves pair.dtype to {dtype}; "
-                f"pass pair.dtype={manifest['dtype']} to resume them, or overwrite=true to regenerate"
-            )
-        if manifest.get("num_shards_planned") != n_planned:
-            raise UserError(f"{folder} plans {manifest.get('num_shards_planned')} shards but this run {n_planned}; rerun with overwrite=true")
+        _check_resumable(folder, manifest, chash, pair, dtype, n_planned)
     else:
         if folder.exists() and s["overwrite"]:
             shutil.rmtree(folder)
-        elif folder.exists() and any(folder.iterdir()):
-            # a folder without our manifest; dot-files may be another shard job's manifest being written right now
+        elif store.read_manifest(folder) is None and folder.exists():
+            # no manifest yet (read again: a shard job that started with this one may have just written it); dot
+            # entries are temp files of a job creating the manifest right now, anything else is someone else's
             leftovers = [p for p in folder.iterdir() if not p.name.startswith(".")]
             if leftovers:
                 raise UserError(f"{folder} exists without a valid manifest; remove it or rerun with overwrite=true")
@@ -225,7 +215,12 @@ def generate(cfg: DictConfig, split: str, pair=None) -> Path:
             "complete": False,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
-        store.write_json_atomic(folder / store.MANIFEST, manifest)
+        # exactly one of several shard jobs started together writes it; the others adopt and check the winner's
+        created = store.create_manifest(folder, manifest)
+        if created is not manifest:
+            manifest = created
+            _check_resumable(folder, manifest, chash, pair, dtype, n_planned)
+            shards = store.existing_shards(folder, full=False)
     assigned = [g for g in range(n_planned) if g % s["num_shards"] == s["shard_id"]]
     mine = [g for g in assigned if g not in shards]
     if mine and len(mine) < len(assigned):
@@ -261,6 +256,27 @@ def generate(cfg: DictConfig, split: str, pair=None) -> Path:
     manifest = store.finalize(folder, manifest, shards)
     print(_summary_line(folder, manifest, elapsed if mine else None, positions), flush=True)
     return folder
+
+
+def _check_resumable(folder: Path, manifest: dict, chash: str, pair, dtype: str, n_planned: int) -> None:
+    """A manifest found in place (a resume, or another shard job's) must describe exactly this job's traces."""
+    if manifest.get("config_hash") != chash:
+        raise UserError(
+            f"traces at {folder} were made with another config (hash {manifest.get('config_hash')} != {chash}); "
+            "rerun with overwrite=true to replace them, or pick another trace_root"
+        )
+    if manifest.get("tokenizer_hash") != pair.tokenizer_hash:
+        raise UserError(
+            f"traces at {folder} were made with tokenizer {manifest.get('tokenizer_hash')} but pair {pair.name} now has "
+            f"{pair.tokenizer_hash}; rerun with overwrite=true to regenerate them"
+        )
+    if manifest.get("dtype", dtype) != dtype:  # dtype=auto can resolve differently on another machine
+        raise UserError(
+            f"traces at {folder} were started in {manifest['dtype']} but this machine resolves pair.dtype to {dtype}; "
+            f"pass pair.dtype={manifest['dtype']} to resume them, or overwrite=true to regenerate"
+        )
+    if manifest.get("num_shards_planned") != n_planned:
+        raise UserError(f"{folder} plans {manifest.get('num_shards_planned')} shards but this run {n_planned}; rerun with overwrite=true")
 
 
 def verify_cmd(cfg: DictConfig, split: str) -> Path:

@@ -111,6 +111,40 @@ def write_json_atomic(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
+def create_manifest(folder: Path, data: dict) -> dict:
+    """Write the folder's first manifest unless another job got there first; returns the manifest now in place.
+
+    Shard jobs that start at the same instant all try: the manifest is written to a temp file and hard-linked to
+    its name, which succeeds for exactly one job (`link` fails when the name exists; no reader ever sees a partial
+    file). The others get the winner's manifest back and check it like a resume would. Filesystems without hard
+    links fall back to an `O_EXCL` create of a lock file beside it, with the same one-winner guarantee.
+    """
+    path = Path(folder) / MANIFEST
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True, default=str))
+    try:
+        try:
+            os.link(tmp, path)
+            return data
+        except FileExistsError:
+            pass
+        except OSError:  # no hard links here (some network/FUSE filesystems): one O_EXCL lock decides the winner
+            try:
+                os.close(os.open(path.with_name(f".{path.name}.lock"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+                os.replace(tmp, path)
+                return data
+            except FileExistsError:
+                pass
+    finally:
+        tmp.unlink(missing_ok=True)
+    for _ in range(100):  # the winner's manifest: appears at once with link; within moments with the lock fallback
+        found = read_manifest(folder)
+        if found is not None:
+            return found
+        time.sleep(0.1)
+    raise UserError(f"another job is creating {path} but it did not appear within 10 s; rerun the same command")
+
+
 def read_manifest(folder: Path) -> dict | None:
     path = Path(folder) / MANIFEST
     if not path.is_file():

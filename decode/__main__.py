@@ -2,16 +2,19 @@
 
 Runs target-only decoding once and every listed stop policy on the same prompts (see decode/runner.py), writes
 DIR/summary.json, a Markdown table, per-prompt JSONL and plots. `mode=tune` picks thresholds on validation first.
+`logger=wandb` also logs them to an offline W&B run under DIR (decode/wandb_log.py).
 """
 
-from utils.cli import hydra_entry
+from utils.cli import hydra_entry, output_dir
 
 
 @hydra_entry("decode")
 def main(cfg):
+    from decode import wandb_log
     from decode.runner import main as run
 
-    run(cfg)
+    with wandb_log.session(cfg, output_dir(cfg.get("out_dir")), "decode"):  # logger=wandb: one run per job
+        run(cfg)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from decode import metrics
+from decode import metrics, wandb_log
 from decode.loop import autoregressive, speculative
 from decode.policies import EXTERNAL, HEAD_POLICIES, build_policy, parse_spec
 from models.cost import get_profile, machine
@@ -462,8 +462,9 @@ def main(cfg: DictConfig) -> dict:
     chosen = choose(tsum, methods, grid, metric)
     tuned = {m.key: m.params for m in chosen}
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_outputs(out_dir, tsum, trows, run_info(cfg, pair, str(cfg.tune.split), tsum, profile),
-                  f"tuning on {cfg.tune.split} (metric {metric})", False, prefix="tune_")
+    tinfo = run_info(cfg, pair, str(cfg.tune.split), tsum, profile)
+    write_outputs(out_dir, tsum, trows, tinfo, f"tuning on {cfg.tune.split} (metric {metric})", False, prefix="tune_")
+    wandb_log.log_result(tsum, tinfo, out_dir, prefix="tune", tuned=tuned)
     _atomic_write(out_dir / "tuned.json", json.dumps({"metric": metric, "split": str(cfg.tune.split),
                                                        "chosen": tuned}, indent=2))
     print(markdown_table(tsum, f"tuning on {cfg.tune.split}"))
@@ -478,8 +479,9 @@ def main(cfg: DictConfig) -> dict:
 def _publish(cfg, pair, out_dir: Path, split: str, result: tuple, title: str, make_plots: bool, profile) -> dict:
     """Write a run's outputs (summary, per-prompt rows, run info, plots) and print its tables."""
     summary, rows, by_task = result
-    write_outputs(out_dir, summary, rows, run_info(cfg, pair, split, summary, profile), title, make_plots,
-                  by_task=by_task)
+    info = run_info(cfg, pair, split, summary, profile)
+    write_outputs(out_dir, summary, rows, info, title, make_plots, by_task=by_task)
+    wandb_log.log_result(summary, info, out_dir, by_task=by_task)  # no-op unless logger=wandb
     print(markdown_table(summary, title))
     if by_task:
         print(task_table(by_task, title))

@@ -41,6 +41,7 @@ from scipy.stats import norm
 from sklearn.metrics import roc_auc_score
 from tqdm.auto import tqdm
 
+from decode import wandb_log
 from decode.metrics import cost_model_speedup, oracle_gap_closed, per_position
 from models.cost import CostProfile
 from decode.policies import StopPolicy, build_policy, parse_spec
@@ -426,6 +427,7 @@ def run(cfg: DictConfig) -> dict:
                   "chosen": {m.key: dict(m.params) for m in chosen}}
     (out / "tuned.json").write_text(json.dumps(tuned_file, indent=1) + "\n")
     plot(result, out / "replay_auroc.png")
+    wandb_log.log_replay(result, out)  # no-op unless logger=wandb
     print(markdown(result))
     print(f"wrote {out / 'replay.json'}, replay.md, tuned.json{', replay_auroc.png' if aurocs else ''}")
     return result
@@ -433,7 +435,8 @@ def run(cfg: DictConfig) -> dict:
 
 @hydra_entry("replay")
 def main(cfg: DictConfig) -> None:
-    run(cfg)
+    with wandb_log.session(cfg, output_dir(cfg.replay.get("out_dir")), "replay"):  # logger=wandb: offline W&B run
+        run(cfg)
 
 
 if __name__ == "__main__":

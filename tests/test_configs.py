@@ -109,3 +109,21 @@ def test_specbench_study_tunes_on_one_prompt_per_task():
     tune_set = load_prompts(OmegaConf.merge(cfg.dataset, cfg.tune.dataset), "validation", cfg.tune.limit)
     assert sorted(p.meta["task"] for p in tune_set) == sorted(
         ["mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag"])
+
+
+@pytest.mark.parametrize("launcher, target", [("slurm", "SlurmLauncher"), ("submitit_local", "LocalLauncher")])
+def test_data_gen_launchers_compose(launcher, target):
+    """The data_gen fan-out launchers resolve to hydra-submitit-launcher's classes (in the dev and slurm extras)."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="pip install -e '.[dev]'")
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("data_gen", overrides=[f"hydra/launcher={launcher}"], return_hydra_config=True)
+    assert cfg.hydra.launcher._target_.endswith(target)
+    assert str(cfg.hydra.launcher.submitit_folder).endswith(".submitit/%j")
+
+
+def test_decode_logger_defaults_off_and_sweeps_get_a_wandb_callback():
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("decode", return_hydra_config=True)
+        on = compose("replay", overrides=["logger=wandb"])
+    assert cfg.logger.wandb is None and on.logger.wandb.mode == "offline"
+    assert cfg.hydra.callbacks.wandb_sweep._target_ == "decode.wandb_log.SweepCallback"

@@ -4,6 +4,7 @@ features identical to data_gen's teacher-forced ones, the CLI and its one-line e
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -210,6 +211,86 @@ def compose(*overrides):
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return hydra_compose("decode", overrides=[o for o in BASE[1:] if o.split("=")[0] not in
                                                     {x.split("=")[0] for x in overrides}] + list(overrides))
+
+
+def wandb_run_dir(out) -> Path:
+    """The one offline W&B run under a folder (`<out>/wandb/offline-run-*`)."""
+    runs = sorted((Path(out) / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1, runs
+    return runs[0]
+
+
+def wandb_table(run_dir: Path, key: str) -> dict:
+    """A W&B Table logged under `key` in an offline run, read back from the run's files."""
+    found = sorted((run_dir / "files" / "media" / "table").glob(f"{key}_*.table.json"))
+    assert found, f"no table {key} in {run_dir}"
+    return json.loads(found[-1].read_text())
+
+
+def test_logger_wandb_offline_run_holds_the_table(tmp_path, tiny_pair):
+    """logger=wandb: the job leaves one offline run under out_dir holding the summary table (the summary.json rows),
+    the speedup, acceptance-by-position and draft-length data and run.json (machine and cost profile included)."""
+    from decode import wandb_log
+    from decode.runner import main
+
+    out = tmp_path / "run"
+    cfg = compose("policies=[constant,svip]", "logger=wandb", f"out_dir={out}", "plots=true")
+    with wandb_log.session(cfg, out, "decode"):
+        summary = main(cfg)
+    run = wandb_run_dir(out)
+    table = wandb_table(run, "decode/summary")
+    rows = {r[0]: dict(zip(table["columns"], r)) for r in table["data"]}
+    assert set(rows) == {"target", "constant", "svip"}
+    for k in rows:
+        assert rows[k]["speedup"] == pytest.approx(summary[k]["speedup"])
+        assert rows[k]["acceptance_rate"] == (summary[k].get("acceptance_rate") and pytest.approx(summary[k]["acceptance_rate"]))
+    speed = wandb_table(run, "decode/speedup_table")
+    assert {r[0] for r in speed["data"]} == {"target", "constant", "svip"}
+    acc = wandb_table(run, "decode/acceptance_by_position_table")
+    assert acc["columns"] == ["method", "position", "acceptance"] and {r[0] for r in acc["data"]} >= {"constant"}
+    hist = wandb_table(run, "decode/draft_length_hist")
+    assert sum(r[2] for r in hist["data"] if r[0] == "constant") == sum(summary["constant"]["draft_length_hist"].values())
+    assert sorted(p.name.split("_png")[0] for p in (run / "files" / "media" / "images" / "decode").glob("*.png")) == [
+        "acceptance_by_position", "speedup"]
+    # config and summary live in the run's record log: run.json (every key, e.g. the machine) is in the config
+    info = json.loads((out / "run.json").read_text())
+    blob = next(run.glob("run-*.wandb")).read_bytes()
+    assert b"run_json" in blob and info["machine"].encode() in blob
+    assert all(json.dumps(k).encode() in blob for k in info)
+    assert b"decode/svip/speedup" in blob
+
+
+def test_logger_none_leaves_no_wandb_run(tmp_path, tiny_pair):
+    from decode import wandb_log
+    from decode.runner import main
+
+    out = tmp_path / "run"
+    cfg = compose("policies=[constant]", f"out_dir={out}")
+    assert cfg.logger.wandb is None  # the default
+    with wandb_log.session(cfg, out, "decode"):
+        main(cfg)
+    assert (out / "summary.json").is_file() and not (out / "wandb").exists()
+
+
+@pytest.mark.slow
+def test_multirun_wandb_is_one_group_with_speedup_vs_parameter(cli, tmp_path):
+    """`python -m decode -m policy.svip.h=0.2,0.4 logger=wandb`: one offline run per job, all in one W&B group
+    named after the sweep folder, plus a sweep run in that group charting speedup against h."""
+    sweep = tmp_path / "sweep"
+    r = cli("decode", "-m", *BASE[1:], "warmup=false", "policies=[svip]", "policy.svip.h=0.2,0.4", "logger=wandb",
+            f"hydra.sweep.dir={sweep}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    group = f"decode-{sweep.name}".encode()
+    for job in ("0", "1"):
+        assert group in next(wandb_run_dir(sweep / job).glob("run-*.wandb")).read_bytes()
+        wandb_table(wandb_run_dir(sweep / job), "decode/summary")
+    run = wandb_run_dir(sweep)
+    assert group in next(run.glob("run-*.wandb")).read_bytes()
+    chart = wandb_table(run, "sweep/speedup_vs_policy.svip.h_table")
+    assert chart["columns"] == ["policy.svip.h", "method", "speedup", "cost_model_speedup"]
+    got = {row[0]: row[2] for row in chart["data"]}
+    for job, h in (("0", 0.2), ("1", 0.4)):
+        assert got[h] == pytest.approx(json.loads((sweep / job / "summary.json").read_text())["svip"]["speedup"])
 
 
 def test_sampling_and_sprinter_summary(tmp_path, tiny_pair):

@@ -176,3 +176,27 @@ def test_head_features_bench(traces, tmp_path):
     with pytest.raises(SystemExit):
         mod.main(["--train", str(traces["sampled"]), "--test", str(traces["test"]), "--out", str(tmp_path / "x")])
     assert not (tmp_path / "x").exists()
+
+
+def test_replay_logger_wandb_offline_run_holds_the_table(tmp_path):
+    """eval.replay with logger=wandb: what run() hands to decode.wandb_log (its replay.json dict) lands in an offline
+    run under replay.out_dir as the replay table and the synthetic-head curve."""
+    from decode import wandb_log
+    from tests.test_decode import wandb_run_dir, wandb_table
+
+    row = {"cost_model_speedup": 1.2, "acceptance_rate": 0.5, "mean_accepted_length": 2.0, "draft_calls_per_token": 0.6,
+           "mean_draft_length": 2.5, "past_rejection": 0.1}
+    result = {"settings": {"c": 0.3}, "chosen": {"svip": {"h": 0.3}}, "gap": {"svip": 0.2},
+              "eval": {"constant": row, "svip": {**row, "cost_model_speedup": 1.3, "score_auroc": 0.8},
+                       "synthetic[auroc=0.8]": {**row, "realised_auroc": 0.79}}}
+    out = tmp_path / "r"
+    cfg = cfg_of("replay", "+experiment=study_disco_mbpp", "logger=wandb", f"replay.out_dir={out}")
+    with wandb_log.session(cfg, out, "replay"):
+        wandb_log.log_replay(result, out)
+    run_dir = wandb_run_dir(out)
+    table = wandb_table(run_dir, "replay/table")
+    got = {r[0]: dict(zip(table["columns"], r)) for r in table["data"]}
+    assert set(got) == set(result["eval"])
+    assert got["svip"]["cost_model_speedup"] == 1.3 and got["svip"]["score_auroc"] == 0.8
+    assert got["synthetic[auroc=0.8]"]["score_auroc"] == 0.79  # a synthetic head's realised AUROC
+    assert wandb_table(run_dir, "replay/speedup_vs_auroc_table")["data"] == [[0.79, 1.2]]

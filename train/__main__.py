@@ -24,6 +24,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from utils import wandb_run
 from utils.cli import UserError, hydra_entry
 
 log = logging.getLogger("train")
@@ -145,7 +146,7 @@ def make_loggers(cfg: DictConfig, run_dir: Path) -> list:
         os.environ["WANDB_MODE"] = mode
         os.environ.setdefault("WANDB_SILENT", "true")
         os.environ["WANDB_DIR"] = str(run_dir)  # per job: a multirun must not reuse job 0's folder
-        group, name = sweep_names(cfg, run_dir)
+        group, name = wandb_run.sweep_names(cfg, run_dir)
         wandb_logger = WandbLogger(
             project=str(wcfg.get("project", "specstop")),
             entity=wcfg.get("entity"),
@@ -161,32 +162,6 @@ def make_loggers(cfg: DictConfig, run_dir: Path) -> list:
     except Exception as err:  # noqa: BLE001 - any W&B failure degrades to CSV only
         warnings.warn(f"W&B disabled for this run ({type(err).__name__}: {err}); CSV logs still written", stacklevel=1)
     return loggers
-
-
-def sweep_names(cfg: DictConfig, run_dir: Path) -> tuple[str | None, str]:
-    """W&B group = the multirun folder (one group per sweep), name = job number + overrides; plain runs: no group."""
-    try:
-        from hydra.core.hydra_config import HydraConfig
-        from hydra.types import RunMode
-
-        hc = HydraConfig.get()
-        if hc.mode == RunMode.MULTIRUN:
-            overrides = ",".join(hc.overrides.task) or "default"
-            return f"{cfg.task_name}-{Path(hc.sweep.dir).name}", f"{hc.job.num}:{overrides}"[:120]
-    except Exception:  # noqa: BLE001 - not under Hydra (tests call run() directly)
-        pass
-    return None, run_dir.name
-
-
-def finish_wandb() -> None:
-    """Close the W&B run so every multirun job gets its own run (called in `finally`)."""
-    try:
-        import wandb
-
-        if wandb.run is not None:
-            wandb.finish()
-    except Exception:  # noqa: BLE001
-        pass
 
 
 # ---------------------------------------------------------------------------------------------------------- plots
@@ -324,7 +299,7 @@ def run(cfg: DictConfig, run_dir: Path, traces: dict | None = None, manifests: d
         log_curves_wandb(loggers, points, pngs)
         (run_dir / "results.json").write_text(json.dumps(results, indent=2, default=str))
     finally:
-        finish_wandb()
+        wandb_run.finish()
     print_table(results)
     return results
 
