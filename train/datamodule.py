@@ -40,11 +40,17 @@ def trace_columns(ds, names) -> dict[str, np.ndarray]:
             continue
         col = table.column(name).combine_chunks()
         t = col.type
-        if pa.types.is_list(t) or pa.types.is_large_list(t):  # variable length (prompt_tokens): a list per row
+        ragged = False
+        if pa.types.is_list(t) or pa.types.is_large_list(t):
+            import pyarrow.compute as pc
+
+            lengths = pc.list_value_length(col).to_numpy(zero_copy_only=False) if len(col) else np.zeros(0)
+            ragged = len(lengths) > 0 and lengths.min() != lengths.max()
+        if ragged:  # variable length (prompt_tokens): one int64 array per row
             arr = np.empty(len(col), dtype=object)
             arr[:] = [np.asarray(v, dtype=np.int64) for v in col.to_pylist()]
             out[name] = arr
-        elif pa.types.is_fixed_size_list(t):
+        elif pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
             flat = col.flatten().to_numpy(zero_copy_only=False)
             out[name] = flat.reshape(len(col), -1) if len(col) else flat.reshape(0, 0)
         else:
