@@ -284,6 +284,9 @@ class Learned(StopPolicy):
             if self.needs_context and step.context is None:
                 raise UserError(f"head {self.bundle.path} reads copy/token features that need the decoder's context; "
                                 "run it through python -m decode (the replay does not pass the context)")
+            if self.needs_verify_stats and step.verify is None and step.position_in_round == 0 and step.position > 0:
+                raise UserError(f"head {self.bundle.path} reads the last verification's statistics, which this caller "
+                                "does not pass (DraftStep.verify); run it through python -m decode")
             return self.score(self.plus.row(step))
         if self.bundle.spec.kind != "disco":
             return self.score(step.hidden.float())

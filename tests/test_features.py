@@ -126,3 +126,35 @@ def test_old_traces_refused_in_one_line(plus_traces):
     with pytest.raises(UserError, match="overwrite=true") as err:
         dm.setup()
     assert "\n" not in str(err.value)
+
+
+def test_disco_plus_trains_calibrates_and_decodes_losslessly(tmp_path, tiny_pair):
+    """model=disco_plus end to end on the tiny pair: traces → head (calibrated on validation) → learned:CKPT in the
+    decoder, which feeds it context and verification statistics and stays token-identical to target-only decoding."""
+    import json
+
+    from omegaconf import open_dict
+
+    from decode.runner import main as decode
+    from models.heads import load_head
+    from train.__main__ import run
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("train", ["pair=tiny_random", "logger=none", "dataset=mbpp", "model=disco_plus",
+                                f"trace_root={tmp_path / 'traces'}", "split_limits.train=3", "split_limits.validation=3",
+                                "split_limits.test=3", f"trace.max_new_tokens={NEW}", "trainer.max_epochs=3",
+                                "data.batch_size=16", "labels.reach_weight=0.5"])
+        with open_dict(cfg):
+            cfg.trainer.enable_progress_bar = False
+        res = run(cfg, tmp_path / "run")
+        bundle = load_head(res["ckpt_path"])
+        assert bundle.spec.kind == "disco_plus" and bundle.spec.groups == ("verify", "copy", "token")
+        assert bundle.calibration["mode"] == "platt" and 0 <= res["test/ece"] <= 1
+        out = tmp_path / "decode"
+        dcfg = compose("decode", ["pair=tiny_random", "dataset=mbpp", "split=test", "limit=2",
+                                  f"max_new_tokens={NEW}", "plots=false", "warmup=false",
+                                  f"policies=[learned:{res['ckpt_path']}]", f"out_dir={out}"])
+    decode(dcfg)
+    summary = json.loads((out / "summary.json").read_text())
+    row = next(v for k, v in summary.items() if k.startswith("learned"))
+    assert row["lossless"] is True and row["acceptance_rate"] >= 0
