@@ -19,6 +19,7 @@ scheme, threshold, pair id, tokenizer hash, architecture); `load_head(path)` reb
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -129,7 +130,11 @@ class StopHead(nn.Module):
 
     def set_normalization(self, mean: torch.Tensor, std: torch.Tensor) -> None:
         """Fit on the training features; constant columns keep std 1 (they carry no signal)."""
-        std = torch.where(std > 1e-6, std, torch.ones_like(std))
+        # a column constant in training carries no signal; disco_plus makes it inert (std = inf → input 0) because its
+        # features can take values at decode that training never showed (the all-accepted flag: always 0 on
+        # target_ar trace rounds), and an untrained first-layer weight would turn them into noise
+        fill = torch.full_like(std, math.inf) if self.kind == "disco_plus" else torch.ones_like(std)
+        std = torch.where(std > 1e-6, std, fill)
         self.mean.copy_(mean.float())
         self.std.copy_(std.float())
 
@@ -228,11 +233,13 @@ class HeadBundle:
         moving the head to its device; it reads a snapshot of the weights.
         """
         net, mean, std = self.head.net, self.head.mean, self.head.std
+        # calibration sigmoid(z / T + c) folded into the last layer too
+        t, c = float(self.calibration.get("temperature", 1.0)), float(self.calibration.get("bias", 0.0))
+        if isinstance(net, DiscoPlus):
+            return self._plus_scorer(net, mean, std, t, c)
         first = net.net[0] if isinstance(net, DiscoFFN) else net.linear if isinstance(net, SprinterLinear) else None
         if first is None:
             return lambda x: float(self.prob(x))
-        # calibration sigmoid(z / T + c) folded into the last layer too
-        t, c = float(self.calibration.get("temperature", 1.0)), float(self.calibration.get("bias", 0.0))
         w1 = (first.weight / std).detach().clone()
         b1 = (first.bias - w1 @ mean).detach().clone()
         if isinstance(net, SprinterLinear):
@@ -241,6 +248,29 @@ class HeadBundle:
         last = net.net[-1]
         w2, b2 = (last.weight[0] / t).detach().clone(), (last.bias / t + c).detach().clone()
         return lambda x: float(torch.sigmoid(torch.dot(w2, torch.relu(torch.addmv(b1, w1, x))) + b2))
+
+    @staticmethod
+    def _plus_scorer(net: "DiscoPlus", mean, std, t: float, c: float):
+        """disco_plus as bare ops: normalisation folded into the first layer's dense columns, each token column's
+        embedding table pre-multiplied by its slice of that layer (one row read per id), calibration in the output."""
+        lin1, lin2 = net.ffn[0], net.ffn[-1]
+        dense = torch.tensor(net.dense_cols, device=mean.device)
+        nd, emb = len(net.dense_cols), (net.embs[0].embedding_dim if len(net.embs) else 0)
+        wd = (lin1.weight[:, :nd] / std[dense]).detach().clone()
+        bd = (lin1.bias - wd @ mean[dense]).detach().clone()
+        tables = [(col, (e.weight @ lin1.weight[:, nd + i * emb : nd + (i + 1) * emb].T).detach().clone())
+                  for i, (col, e) in enumerate(zip(net.token_cols, net.embs))]
+        w2, b2 = (lin2.weight[0] / t).detach().clone(), float(lin2.bias / t + c)
+        a, buckets = float(net.a / t), net.buckets
+
+        def score(x):
+            h = torch.addmv(bd, wd, x[dense])
+            for col, table in tables:
+                h = h + table[(max(int(x[col]), 0) * 2654435761) % buckets]
+            q = min(max(float(x[0]), 1e-6), 1 - 1e-6)
+            return 1.0 / (1.0 + math.exp(-(a * math.log(q / (1 - q)) + float(torch.dot(w2, torch.relu(h))) + b2)))
+
+        return score
 
     def check_pair(self, pair) -> None:
         """Refuse a pair this head was not trained for (pair id, tokenizer, draft hidden size)."""

@@ -220,3 +220,35 @@ def test_calibration_fit_and_scorer():
     x = torch.randn(12)
     torch.testing.assert_close(torch.tensor(bundle.scorer()(x)), bundle.prob(x), atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(bundle.prob(x), torch.sigmoid(bundle.logit(x) / cal["temperature"] + cal["bias"]))
+
+
+def test_disco_plus_scorer_equals_prob():
+    """decode's folded disco_plus scorer gives the module's calibrated probability."""
+    spec = FeatureSpec("disco_plus", k=10, groups=["verify", "copy", "token"])
+    head = build_head("disco_plus", spec, {"hidden": 8, "buckets": 64})
+    torch.nn.init.normal_(head.net.ffn[-1].weight)
+    x = torch.rand(20, spec.dim) * 2
+    x[:, spec.token_columns()] = torch.randint(0, 49152, (20, 2)).float()
+    head.set_normalization(x.mean(0), x.std(0))
+    bundle = HeadBundle(head=head, kind="disco_plus", spec=spec, labels={}, threshold=0.5, pair_id="p",
+                        tokenizer_hash="t", calibration={"temperature": 1.7, "bias": -0.3})
+    score = bundle.scorer()
+    x[:, 0] = x[:, 0].clamp(0.01, 0.99)
+    got = torch.tensor([score(row) for row in x])
+    torch.testing.assert_close(got, bundle.prob(x).double(), atol=1e-5, rtol=1e-4, check_dtype=False)
+
+
+def test_disco_plus_ignores_columns_constant_in_training():
+    """The all-accepted flag is 0 on every target_ar trace row; a 1 at decode must not move the score."""
+    spec = FeatureSpec("disco_plus", k=10, groups=["verify"])
+    head = build_head("disco_plus", spec, {"hidden": 8})
+    torch.nn.init.normal_(head.net.ffn[-1].weight)
+    x = torch.rand(30, spec.dim)
+    flag = spec.names.index("last_all_accepted")
+    x[:, flag] = 0.0
+    head.set_normalization(x.mean(0), x.std(0))
+    y = x.clone()
+    y[:, flag] = 1.0
+    torch.testing.assert_close(head(y), head(x))
+    bundle = HeadBundle(head=head, kind="disco_plus", spec=spec, labels={}, threshold=0.5, pair_id="p", tokenizer_hash="t")
+    assert abs(bundle.scorer()(y[0]) - float(bundle.prob(x[0]))) < 1e-5
