@@ -230,9 +230,11 @@ def speculative(pair, prompt_ids: list[int], policy, max_new_tokens: int, temper
                     res.tvd_sum += float(tvd(p[:unchecked], q_stack[:unchecked]).sum())
             else:
                 n, nxt = sample_verify(p, q_stack, dt, generator)
-        if want_vs:
+        te = now()
+        target_s += te - ts
+        if want_vs:  # the policy's work, timed as policy time
             vstats = _verify_stats(logits, qs, k, n, temperature, top_p)
-        target_s += now() - ts
+            policy_s += now() - te
 
         # exact rollback: keep the pending token + the n kept drafted tokens in each cache
         if k - n > 0:
