@@ -74,7 +74,8 @@ def test_decode_rows_equal_trace_rows(plus_traces, tiny_pair):
     names = spec.names
     exact = [names.index(n) for n in ("position_in_round", "last_accepted", "last_all_accepted", "copy_len",
                                       "lookup_hit", "lookup_len", "draft_token_id", "prev_token_id")]
-    approx = [i for i in range(spec.dim) if i not in exact]
+    hidden = list(range(spec.dim - spec.d, spec.dim))  # stored as fp16 in the traces
+    approx = [i for i in range(spec.dim) if i not in exact and i not in hidden]
     compared = rejected_rounds = 0
     for a, b in zip(starts, ends):
         prompt = [int(t) for t in cols["prompt_tokens"][a]]
@@ -86,7 +87,9 @@ def test_decode_rows_equal_trace_rows(plus_traces, tiny_pair):
         for pos, row in rec.rows.items():
             want = x[a + pos]
             assert torch.equal(row[exact], want[exact]), (pos, row[exact], want[exact])
-            torch.testing.assert_close(row[approx], want[approx], atol=2e-4, rtol=1e-3)
+            # float features: the same definitions, two fp32 passes (batched teacher-forced vs incremental): ~5e-6 apart
+            torch.testing.assert_close(row[approx], want[approx], atol=2e-5, rtol=1e-5)
+            torch.testing.assert_close(row[hidden], want[hidden], atol=1e-3, rtol=1e-3)
             compared += 1
     assert compared > 2 * N_PROMPTS and rejected_rounds > 0
     # the groups carried something on these rows: verification after a first round, copies of the context

@@ -110,7 +110,8 @@ class TraceDataModule(L.LightningDataModule):
             if lack:
                 hint = " (regenerate with trace.store_hidden=true)" if "draft_hidden" in lack else ""
                 if set(lack) & {"target_margin", "context_token", "prompt_tokens"}:
-                    hint = " (traces made before disco_plus features existed: regenerate them with overwrite=true)"
+                    hint = (" (made before disco_plus features existed: regenerate them with python -m data_gen and the "
+                            "same settings plus overwrite=true, or delete the trace folder and rerun train)")
                 raise UserError(f"{self.spec.kind} features need trace column(s) {lack} missing from the {split} traces{hint}")
             cols = trace_columns(ds, [c for c in dict.fromkeys(needed) if c in names])
             labels = make_labels(cols, self.labels_cfg)
