@@ -13,7 +13,8 @@ acceptance (draft argmax = target argmax) from features a decoder has for free a
 - `+history+tokens`: both.
 Reports test AUROC next to max q and −H_q (the scores max-confidence and SVIP/AdaEDL threshold). Read it with the
 replay's curve (results/replay_mbpp): the AUROC a head would need for a given speedup. An analysis of what the signal
-allows, not a head: the history and token features are not part of the feature contract that decode reads.
+allows, not a head: these history features are not the ones decode reads. Issue 16 made verification, copy and token
+features part of the contract (models.features, `model=disco_plus`); their ablation is bench/feature_ablation.py.
 """
 
 from __future__ import annotations

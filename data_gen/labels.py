@@ -8,6 +8,15 @@ Traces keep raw statistics (q(x), p(x), TVD, tokens), so a τ sweep or a new sch
 | tvd | soft 1 − TVD(p, q); with `hard_threshold` set, 1[1 − TVD ≥ threshold] | DISCO ("cross-entropy with the TVD") |
 | ratio | 1[q(x)/p(x) ≤ τ] (τ = 1 ⇔ p ≥ q; larger τ accepts more) | SPRINTER |
 | accept_prob | soft min(1, p(x)/q(x)) | SpecDec++ |
+| sum_min | soft Σ_v min(p_v, q_v) (= 1 − TVD: the exact sampler's acceptance rate at that position) | DISCO, Leviathan α |
+
+Row weights (`make_weights`, the loss's per-row weight): `reach_weight` w ∈ [0, 1] down-weights rows a decoder
+would not reach because an earlier token of the same draft round was rejected — weight = R + (1 − R)·w, R = Π of
+the acceptances of the round's earlier rows (`reach: hard` 1[x = argmax p], `soft` min(1, p/q)), rounds as in
+`models.features.trace_round_positions`. w = 1 (default) weights every row alike; w = 0 trains on reachable mass
+only (SpecDec++'s argument: past a rejection the draft runs on a context the decoder never sees). On greedy
+target_ar traces with hard reach every row is reachable (rounds there end at their first rejection), so it only
+changes soft-reach or sampled training.
 """
 
 from __future__ import annotations
@@ -22,8 +31,9 @@ SCHEMES = {
     "tvd": ("tvd",),
     "ratio": ("q_draft", "p_draft"),
     "accept_prob": ("q_draft", "p_draft"),
+    "sum_min": ("tvd",),
 }
-SOFT = {"tvd", "accept_prob"}
+SOFT = {"tvd", "accept_prob", "sum_min"}
 
 
 def required_columns(cfg: DictConfig) -> tuple[str, ...]:
@@ -50,6 +60,8 @@ def make_labels(columns: dict, cfg: DictConfig) -> np.ndarray:
     col = {c: np.asarray(columns[c]) for c in needed}
     if cfg.name == "greedy_match":
         return (col["draft_token"] == col["target_token"]).astype(np.float32)
+    if cfg.name == "sum_min":
+        return np.clip(1.0 - col["tvd"].astype(np.float64), 0.0, 1.0).astype(np.float32)
     if cfg.name == "tvd":
         soft = 1.0 - col["tvd"].astype(np.float64)
         threshold = cfg.get("hard_threshold")
@@ -59,3 +71,45 @@ def make_labels(columns: dict, cfg: DictConfig) -> np.ndarray:
     if cfg.name == "ratio":
         return (q <= float(cfg.get("tau", 1.0)) * p).astype(np.float32)
     return np.minimum(1.0, p / np.maximum(q, 1e-30)).astype(np.float32)
+
+
+def reach_weight(cfg: DictConfig) -> float:
+    w = cfg.get("reach_weight", 1.0)
+    w = 1.0 if w is None else float(w)
+    if not 0.0 <= w <= 1.0:
+        raise UserError(f"labels.reach_weight must be in [0, 1] (1 = every row alike, 0 = reachable rows only), got {w}")
+    if str(cfg.get("reach", "hard")) not in ("hard", "soft"):
+        raise UserError(f"labels.reach must be hard or soft, got '{cfg.get('reach')}'")
+    return w
+
+
+def weight_columns(cfg: DictConfig) -> tuple[str, ...]:
+    """Trace columns `make_weights` reads (none while reach weighting is off)."""
+    if reach_weight(cfg) >= 1.0:
+        return ()
+    acc = ("q_draft", "p_draft") if str(cfg.get("reach", "hard")) == "soft" else ()
+    return ("draft_token", "target_token", "position", "prompt_id", "kind", *acc)
+
+
+def make_weights(columns: dict, cfg: DictConfig) -> np.ndarray:
+    """Per-row loss weights R + (1 − R)·reach_weight (module docstring); all ones when reach_weight = 1."""
+    from models.features import trace_round_positions
+
+    w = reach_weight(cfg)
+    n = len(columns["position"]) if "position" in columns else len(next(iter(columns.values())))
+    if w >= 1.0:
+        return np.ones(n, dtype=np.float32)
+    if str(cfg.get("reach", "hard")) == "soft":
+        q = np.asarray(columns["q_draft"], dtype=np.float64)
+        acc = np.minimum(1.0, np.asarray(columns["p_draft"], dtype=np.float64) / np.maximum(q, 1e-30))
+    else:
+        acc = (np.asarray(columns["draft_token"]) == np.asarray(columns["target_token"])).astype(np.float64)
+    pos = trace_round_positions(columns)
+    # R_j = Π_{i < j in the round} acc_i, via cumulative log-acceptance (zeros kept exact with a counter)
+    logs = np.log(np.maximum(acc, 1e-300))
+    zero = (acc <= 0).astype(np.int64)
+    clog, czero = np.concatenate([[0.0], np.cumsum(logs)]), np.concatenate([[0], np.cumsum(zero)])
+    idx = np.arange(n)
+    start = idx - pos
+    reach = np.where(czero[idx] - czero[start] > 0, 0.0, np.exp(clog[idx] - clog[start]))
+    return (reach + (1.0 - reach) * w).astype(np.float32)

@@ -33,7 +33,7 @@ FORMAT_VERSION = 1
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MANIFEST = "manifest.json"
 SHARD_META = "shard.json"
-SCALARS = ("q_draft", "p_draft", "tvd", "draft_entropy", "target_entropy", "cross_entropy")
+SCALARS = ("q_draft", "p_draft", "tvd", "draft_entropy", "target_entropy", "target_margin", "cross_entropy")
 
 
 # ------------------------------------------------------------------------------------------------------ naming
@@ -191,7 +191,13 @@ def _table(rows: list[dict], topk: int, hidden: int):
         "target_token": pa.array(cat("target_token", np.int32)),
     }
     for name in SCALARS:
-        cols[name] = pa.array(cat(name, np.float32))
+        if all(name in r for r in rows):  # target_margin: absent from rows built by older code/tests
+            cols[name] = pa.array(cat(name, np.float32))
+    if rows and all("context_token" in r for r in rows):
+        cols["context_token"] = pa.array(cat("context_token", np.int32))
+        # the prompt's token ids on each continuation's first row only (empty lists elsewhere): copy features need it
+        prompts = [list(r["prompt_tokens"]) if i == 0 else [] for r in rows for i in range(r["n"])]
+        cols["prompt_tokens"] = pa.array(prompts, pa.list_(pa.int32()))
     topk_flat = np.concatenate([np.asarray(r["draft_topk"], np.float32).reshape(-1) for r in rows]) if rows else np.zeros(0, np.float32)
     cols["draft_topk"] = pa.FixedSizeListArray.from_arrays(pa.array(topk_flat), topk)
     if hidden:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from models.features import draft_probs, entropy, topk_probs, tvd
+from models.features import draft_probs, entropy, top2_margin, topk_probs, tvd
 
 
 
@@ -198,6 +198,8 @@ def position_stats(q_logits, p_logits, x, temperature: float, top_p: float, k: i
         "tvd": tvd(p, q),
         "draft_entropy": entropy(q),
         "target_entropy": entropy(p),
+        # top-1 minus top-2 probability of p: how sure the target was (a disco_plus verify feature, models.features)
+        "target_margin": top2_margin(p),
         # H_{q,p} = −Σ q log p (nats): SVIP Fig. 3's ratio H_qp/H_q and the Pinsker bound via KL(q‖p) = H_qp − H_q
         "cross_entropy": -(q * torch.log(p.clamp_min(1e-30))).sum(-1),
         "draft_topk": topk_probs(q, k),
@@ -239,5 +241,9 @@ def trace_batch(pair, items: list[Item], trace_cfg) -> list[dict[str, np.ndarray
             cols["draft_hidden"] = hidden.float().cpu().numpy().astype(np.float16)
         cols["prompt_id"], cols["split"], cols["kind"], cols["n"] = it.prompt_id, it.split, it.kind, n
         cols["continuation"] = roll.tokens[i]
+        # the token the context actually got at each position (the target's for target_ar, the context kind's for
+        # interleaved) and the prompt: copy features are computed from them at load time (models.features)
+        cols["context_token"] = np.asarray(roll.tokens[i], dtype=np.int32)
+        cols["prompt_tokens"] = list(it.prefix)
         results.append(cols)
     return results

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from decode.verify import greedy_verify, sample_verify, sprinter_verify
-from models.features import DraftStep, draft_probs, tvd
+from models.features import DraftStep, VerifyStats, draft_probs, entropy, top2_margin, tvd
 from models.lm import LM, Clock
 
 
@@ -83,6 +83,15 @@ def autoregressive(pair, prompt_ids: list[int], max_new_tokens: int, temperature
     return res
 
 
+def _verify_stats(logits: torch.Tensor, qs: list, k: int, n: int, temperature: float, top_p: float) -> VerifyStats:
+    """models.features.VerifyStats of one verification: p (as traces define it) at the last verified position n, and
+    the mean TVD(p, q) over the drafted positions up to the first rejection (0..min(n, k − 1))."""
+    p = draft_probs(logits[: n + 1], temperature, top_p)
+    m = min(n + 1, k)
+    mean_tvd = float(tvd(p[:m], torch.stack(qs[:m])).mean()) if m else 0.0
+    return VerifyStats(float(entropy(p[n])), float(top2_margin(p[n])), k, n, mean_tvd)
+
+
 @torch.inference_mode()
 def speculative(pair, prompt_ids: list[int], policy, max_new_tokens: int, temperature: float = 0.0,
                 top_p: float = 1.0, eos: set[int] | None = None, generator: torch.Generator | None = None,
@@ -92,6 +101,13 @@ def speculative(pair, prompt_ids: list[int], policy, max_new_tokens: int, temper
     approx = bool(getattr(policy, "approximate", False))
     want_q = (not greedy) or policy.needs_probs or approx
     want_h = bool(policy.needs_hidden)
+    # disco_plus heads: the context (prompt + output, one list kept in step with `out`) and the last verification's
+    # statistics; other policies get None and cost nothing
+    want_ctx = bool(getattr(policy, "needs_context", False))
+    want_vs = bool(getattr(policy, "needs_verify_stats", False))
+    want_q = want_q or want_vs
+    ctx = list(prompt_ids) if want_ctx else None
+    vstats = None
     eos = eos or set()
     draft, target = LM(pair.draft, pair.vocab_size), LM(pair.target, pair.vocab_size)
     clock = Clock(target.device)
@@ -133,7 +149,7 @@ def speculative(pair, prompt_ids: list[int], policy, max_new_tokens: int, temper
             if want_q:
                 qs.append(q)
             step = DraftStep(probs=q, token=tok, hidden=hidden[0] if want_h else None, position_in_round=j,
-                             position=base + j)
+                             position=base + j, context=ctx, verify=vstats)
             stop = policy.should_stop(step)
             policy_s += now() - te
             if stop:
@@ -161,7 +177,11 @@ def speculative(pair, prompt_ids: list[int], policy, max_new_tokens: int, temper
                     res.tvd_sum += float(tvd(p[:unchecked], q_stack[:unchecked]).sum())
             else:
                 n, nxt = sample_verify(p, q_stack, dt, generator)
-        target_s += now() - ts
+        te = now()
+        target_s += te - ts
+        if want_vs:  # the policy's work, timed as policy time
+            vstats = _verify_stats(logits, qs, k, n, temperature, top_p)
+            policy_s += now() - te
 
         # exact rollback: keep the pending token + the n kept drafted tokens in each cache
         if k - n > 0:
@@ -184,6 +204,8 @@ def speculative(pair, prompt_ids: list[int], policy, max_new_tokens: int, temper
         policy_s += now() - ts
         new, done = _eos_cut(drafted[:n] + [nxt], eos)
         out.extend(new)
+        if want_ctx:
+            ctx.extend(new)
     res.wall_s = clock() - t0
     res.draft_s, res.target_s, res.policy_s = draft_s, target_s, policy_s
     return res

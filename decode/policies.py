@@ -7,8 +7,9 @@ One interface, shaped like transformers' candidate generator (`update_candidate_
 The loop itself enforces `max_len` (every policy has a cap), the token budget and EOS.
 
 Class attributes tell the loop what to compute: `needs_probs` (q as a distribution — greedy constant/heuristic/oracle
-skip the softmax), `needs_hidden` (the draft's last hidden state), `greedy_only`, `approximate` (SPRINTER
-verification instead of exact). Defaults and their sources are in conf/policy/<name>.yaml.
+skip the softmax), `needs_hidden` (the draft's last hidden state), `needs_context` (DraftStep.context: prompt +
+committed output), `needs_verify_stats` (DraftStep.verify: the last verification's target statistics), `greedy_only`,
+`approximate` (SPRINTER verification instead of exact). Defaults and their sources are in conf/policy/<name>.yaml.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from models.features import DraftStep
+from models.features import DraftStep, PlusFeatures
 from utils.cli import UserError
 
 
@@ -26,6 +27,8 @@ class StopPolicy:
     name = "base"
     needs_probs = True
     needs_hidden = False
+    needs_context = False
+    needs_verify_stats = False
     greedy_only = False
     approximate = False
     oracle = False
@@ -256,9 +259,14 @@ class Learned(StopPolicy):
         self.bundle = bundle
         self.kind = bundle.kind
         self.threshold = float(bundle.threshold if threshold is None else threshold)
-        self.needs_hidden = bundle.spec.kind == "hidden"
-        self.needs_probs = bundle.spec.kind == "disco"
-        self.k = int(bundle.spec.k)
+        spec = bundle.spec
+        plus = spec.kind == "disco_plus"
+        self.needs_hidden = spec.kind == "hidden" or "hidden" in spec.groups
+        self.needs_probs = spec.kind in ("disco", "disco_plus")
+        self.needs_context = plus and bool({"copy", "token"} & set(spec.groups))
+        self.needs_verify_stats = plus and "verify" in spec.groups
+        self.plus = PlusFeatures(spec, device=next(bundle.head.parameters()).device) if plus else None
+        self.k = int(spec.k)
         self._survive = 1.0
         if name:
             self.name = name
@@ -268,8 +276,18 @@ class Learned(StopPolicy):
 
     def reset(self, **ctx):
         self._survive = 1.0
+        if self.plus is not None:
+            self.plus.reset()
 
     def _prob(self, step: DraftStep) -> float:
+        if self.plus is not None:
+            if self.needs_context and step.context is None:
+                raise UserError(f"head {self.bundle.path} reads copy/token features that need the decoder's context; "
+                                "run it through python -m decode (the replay does not pass the context)")
+            if self.needs_verify_stats and step.verify is None and step.position_in_round == 0 and step.position > 0:
+                raise UserError(f"head {self.bundle.path} reads the last verification's statistics, which this caller "
+                                "does not pass (DraftStep.verify); run it through python -m decode")
+            return self.score(self.plus.row(step))
         if self.bundle.spec.kind != "disco":
             return self.score(step.hidden.float())
         # the layout of models.features.disco_vector ([top-k, H_q, position in round]), filled into one reused

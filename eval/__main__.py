@@ -97,7 +97,16 @@ def check_compatible(bundle, manifest: dict, folder: Path, names: list[str]) -> 
             f"traces {folder} come from pair {pid} (tokenizer {tok}); pass traces= made with pair={bundle.pair_id}"
         )
     spec = bundle.spec
-    if spec.kind == "disco":
+    if spec.kind == "disco_plus":
+        from models.features import needed_columns
+
+        lack = [c for c in needed_columns(spec) if c not in names]
+        if lack:
+            raise UserError(
+                f"checkpoint {bundle.path} reads disco_plus features needing trace column(s) {lack} that the traces "
+                f"{folder} lack (made before these features existed?); regenerate them with python -m data_gen ... overwrite=true"
+            )
+    if spec.kind in ("disco", "disco_plus"):
         have = int(manifest.get("topk", spec.k))
         if have < spec.k or "draft_topk" not in names:
             raise UserError(f"checkpoint {bundle.path} reads top-{spec.k} probabilities but the traces {folder} store top-{have}")
@@ -199,8 +208,11 @@ def evaluate(bundle, ds, manifest: dict, folder: Path) -> dict:
     labels_cfg = OmegaConf.create(bundle.labels)
     from data_gen.labels import required_columns
 
-    want = [c for c in dict.fromkeys(COLUMNS + tuple(required_columns(labels_cfg))) if c in names]
-    if bundle.spec.kind != "hidden" and "draft_hidden" in want:
+    from models.features import needed_columns
+
+    want = [c for c in dict.fromkeys(COLUMNS + tuple(required_columns(labels_cfg)) + needed_columns(bundle.spec))
+            if c in names]
+    if bundle.spec.kind != "hidden" and "hidden" not in bundle.spec.groups and "draft_hidden" in want:
         want.remove("draft_hidden")
     cols = trace_columns(ds, want)
     y = make_labels(cols, labels_cfg)

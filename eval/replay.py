@@ -202,6 +202,9 @@ def build(method: Method, manifest: dict, folder: Path) -> StopPolicy:
     if path:
         from eval.__main__ import check_compatible
 
+        if pol.bundle.spec.kind == "disco_plus":
+            raise UserError(f"{method.spec}: the replay does not feed disco_plus heads their context and verification "
+                            "statistics yet; decode them (python -m decode policies=[learned:PATH])")
         check_compatible(pol.bundle, manifest, folder, ["draft_topk"] + (["draft_hidden"] if manifest.get("hidden_size") else []))
     return pol
 

@@ -4,7 +4,12 @@ For a drafted position with draft logits z (and last hidden state h):
 - the draft distribution q = softmax(z / T) for sampling at temperature T, softmax(z) for greedy (T = 0);
 - DISCO: the top-k probabilities of q sorted descending (k = 10), the entropy H_q in nats, and the position of the
   token in its draft round (0 = first drafted token) — `disco_vector` stacks them;
-- SPRINTER / SpecDec++: h itself, the last-layer hidden state that produced z (after the final norm).
+- SPRINTER / SpecDec++: h itself, the last-layer hidden state that produced z (after the final norm);
+- disco_plus: the DISCO inputs plus what a decoder knows for free (issue 16): `verify` (the last verification's
+  target entropy and top-2 margin, accepted count, all-accepted flag, mean TVD — `VerifyStats`), `copy` (does x
+  continue an n-gram of prompt + output, prompt-lookup agreement — `ContextIndex`), `token` (x's and the previous
+  token's ids, embedded by the head), `hidden` (h). Trace loading computes them from stored columns
+  (`features_from_columns`), decode from the loop's state (`PlusFeatures`); a test checks both give the same rows.
 """
 
 from __future__ import annotations
@@ -41,6 +46,12 @@ def entropy(probs: torch.Tensor) -> torch.Tensor:
     return -(probs * torch.log(probs.clamp_min(1e-30))).sum(-1)
 
 
+def top2_margin(probs: torch.Tensor) -> torch.Tensor:
+    """Largest minus second-largest probability along the last axis (how decided a distribution is)."""
+    top = probs.topk(2, dim=-1).values
+    return top[..., 0] - top[..., 1]
+
+
 def tvd(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """Total variation distance ½Σ|p − q| along the last axis (1 − TVD is the exact-sampling acceptance rate)."""
     return 0.5 * (p - q).abs().sum(-1)
@@ -72,28 +83,93 @@ def disco_vector(topk: torch.Tensor, ent: torch.Tensor, position: torch.Tensor) 
     return torch.cat([topk.float(), ent.float().unsqueeze(-1), position.float().unsqueeze(-1)], dim=-1)
 
 
+# disco_plus: the DISCO inputs plus groups of signals a decoder has for free (see `plus_layout` for the order)
+GROUPS = ("verify", "copy", "token", "hidden")
+VERIFY = ("target_entropy", "target_margin", "last_accepted", "last_all_accepted", "last_mean_tvd")
+COPY = ("copy_len", "lookup_hit", "lookup_len")
+TOKEN = ("draft_token_id", "prev_token_id")
+COPY_MAX = 8  # longest n-gram continuation counted by copy_len
+LOOKUP_N = 3  # prompt lookup matches the context's last 3, 2 or 1 tokens (transformers' prompt lookup uses 2-3)
+
+
 @dataclass(frozen=True)
 class FeatureSpec:
     """What a head reads; stored in its checkpoint and checked by decode/eval against the pair and traces.
 
-    kind: `disco` (top-k + entropy + position) or `hidden` (the draft's last hidden state of size d).
+    kind: `disco` (top-k + entropy + position), `hidden` (the draft's last hidden state of size d) or `disco_plus`
+    (the DISCO inputs followed by the chosen `groups`, in GROUPS order; `hidden` there appends d values).
     """
 
     kind: str
     k: int = DEFAULT_TOPK
     d: int = 0
+    groups: tuple = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "groups", tuple(g for g in GROUPS if g in tuple(self.groups or ())))
+        unknown = set(self.groups or ()) - set(GROUPS)
+        if unknown:
+            raise ValueError(f"unknown feature group(s) {sorted(unknown)}; known: {', '.join(GROUPS)}")
+
+    @property
+    def names(self) -> list[str]:
+        """Column names of the head input, in order (disco_plus; the DISCO part for disco)."""
+        if self.kind == "hidden":
+            return [f"h{i}" for i in range(self.d)]
+        out = [f"top{i + 1}" for i in range(self.k)] + ["draft_entropy", "position_in_round"]
+        if self.kind != "disco_plus":
+            return out
+        for g in self.groups:
+            out += list({"verify": VERIFY, "copy": COPY, "token": TOKEN}.get(g, ())) or [f"h{i}" for i in range(self.d)]
+        return out
 
     @property
     def dim(self) -> int:
-        return self.k + 2 if self.kind == "disco" else self.d
+        return len(self.names) if self.kind != "hidden" else self.d
+
+    def token_columns(self) -> list[int]:
+        """Indices of the token-id columns (integers the head embeds; never normalised)."""
+        names = self.names
+        return [names.index(t) for t in TOKEN if t in names]
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        out["groups"] = list(self.groups)
+        return out
+
+
+@dataclass(frozen=True)
+class VerifyStats:
+    """What the last verification told (disco_plus `verify` group), computed by the loop only for policies that ask.
+
+    target_entropy / target_margin: H_p and top-1 − top-2 of p at the last verified position (the one that produced
+    the correction or bonus token the new round drafts after); drafted / accepted: the round's k and n; mean_tvd:
+    mean TVD(p, q) over the round's drafted positions up to and including its first rejection.
+    """
+
+    target_entropy: float
+    target_margin: float
+    drafted: int
+    accepted: int
+    mean_tvd: float
+
+    def values(self) -> list[float]:
+        """The VERIFY columns in order (no verification yet: `NO_VERIFY`)."""
+        full = float(self.drafted > 0 and self.accepted == self.drafted)
+        return [self.target_entropy, self.target_margin, float(self.accepted), full, self.mean_tvd]
+
+
+NO_VERIFY = [0.0, 0.0, 0.0, 0.0, 0.0]  # the first round of a continuation has no verification before it
 
 
 @dataclass
 class DraftStep:
-    """What a stop policy sees after one drafted token (batch 1): q, its features, the hidden state, positions."""
+    """What a stop policy sees after one drafted token (batch 1): q, its features, the hidden state, positions.
+
+    `context` (prompt + committed output, the loop's own list: read it, never change it) and `verify` (the last
+    verification's `VerifyStats`) are filled only for policies with `needs_context` / `needs_verify_stats`, so the
+    others pay nothing; the tokens drafted earlier in the round are the policy's to remember.
+    """
 
     probs: torch.Tensor  # (V,) float32 draft distribution the token was drafted from
     token: int
@@ -102,6 +178,8 @@ class DraftStep:
     position: int  # index of this token in the generated continuation
     _topk: torch.Tensor | None = None
     _entropy: torch.Tensor | None = None
+    context: list[int] | None = None
+    verify: VerifyStats | None = None
 
     def topk(self, k: int = DEFAULT_TOPK) -> torch.Tensor:
         if self._topk is None or self._topk.shape[-1] != k:
@@ -116,6 +194,127 @@ class DraftStep:
 
     def disco(self, k: int = DEFAULT_TOPK) -> torch.Tensor:
         return disco_vector(self.topk(k), self.entropy, torch.tensor(float(self.position_in_round)))
+
+
+class ContextIndex:
+    """N-grams of a growing token context, for the `copy` features; push/mark/rollback so a round's drafted tokens
+    can be added and taken back in O(1) each (decode) while trace loading just pushes the whole continuation.
+
+    copy_features(x) for a candidate next token x, with C the context so far:
+    - copy_len: the largest L ≤ COPY_MAX such that the last L − 1 tokens of C followed by x occur in C (0: x does
+      not occur in C) — how long a stretch of the context x would continue, as in code that repeats itself;
+    - lookup_hit / lookup_len: prompt lookup (transformers' PromptLookupCandidateGenerator, without the model): the
+      longest suffix of C of n ≤ LOOKUP_N tokens that occurred before; its proposal is the token that followed its
+      most recent earlier occurrence; lookup_hit = 1[proposal = x], lookup_len = n (0 when no suffix recurs).
+    """
+
+    def __init__(self, tokens=()):
+        self.toks: list[int] = []
+        self.grams: set[tuple] = set()  # every n-gram of C, n = 1..COPY_MAX
+        self.follow: dict[tuple, int] = {}  # n-gram (n ≤ LOOKUP_N) → token after its latest occurrence
+        self.log: list = []  # undo entries: ("g", gram) added | ("f", key, old value or None)
+        for t in tokens:
+            self.push(int(t))
+
+    def push(self, tok: int) -> None:
+        toks, n0 = self.toks, len(self.toks)
+        for n in range(1, min(COPY_MAX, n0 + 1) + 1):
+            gram = (*toks[n0 - n + 1 :], tok) if n > 1 else (tok,)
+            if gram not in self.grams:
+                self.grams.add(gram)
+                self.log.append(("g", gram))
+        for n in range(1, min(LOOKUP_N, n0) + 1):
+            key = tuple(toks[n0 - n :])
+            self.log.append(("f", key, self.follow.get(key)))
+            self.follow[key] = tok
+        toks.append(tok)
+
+    def mark(self) -> tuple[int, int]:
+        return len(self.toks), len(self.log)
+
+    def rollback(self, mark: tuple[int, int]) -> None:
+        n_toks, n_log = mark
+        while len(self.log) > n_log:
+            entry = self.log.pop()
+            if entry[0] == "g":
+                self.grams.discard(entry[1])
+            elif entry[2] is None:
+                del self.follow[entry[1]]
+            else:
+                self.follow[entry[1]] = entry[2]
+        del self.toks[n_toks:]
+
+    def copy_features(self, x: int) -> list[float]:
+        toks, n0 = self.toks, len(self.toks)
+        length = 0
+        for n in range(1, min(COPY_MAX, n0 + 1) + 1):  # monotone: a matching n-gram's suffixes all match
+            gram = (*toks[n0 - n + 1 :], x) if n > 1 else (x,)
+            if gram not in self.grams:
+                break
+            length = n
+        hit, lookup = 0.0, 0
+        for n in range(min(LOOKUP_N, n0), 0, -1):
+            prop = self.follow.get(tuple(toks[n0 - n :]))
+            if prop is not None:
+                hit, lookup = float(prop == x), n
+                break
+        return [float(length), hit, float(lookup)]
+
+
+class PlusFeatures:
+    """Builds the disco_plus row at decode time from the loop's DraftSteps (one per prompt; `reset` between).
+
+    Keeps a ContextIndex of the committed context, adds the round's drafted tokens as it goes and takes them back at
+    the next round, so each drafted token costs a few set/dict look-ups. Layout: `FeatureSpec.names`.
+    """
+
+    def __init__(self, spec: FeatureSpec, device=None):
+        self.spec = spec
+        self.buf = torch.zeros(spec.dim, device=device)
+        self.index: ContextIndex | None = None
+        self.round_mark = None
+        self.last = -1
+
+    def reset(self) -> None:
+        self.index, self.round_mark, self.last = None, None, -1
+
+    def row(self, step: DraftStep) -> torch.Tensor:
+        spec, buf, k = self.spec, self.buf, self.spec.k
+        buf[:k].copy_(step.topk(k))
+        buf[k] = step.entropy
+        buf[k + 1] = step.position_in_round
+        i = k + 2
+        if "copy" in spec.groups or "token" in spec.groups:
+            ctx = step.context
+            if ctx is None:
+                raise RuntimeError("disco_plus copy/token features need DraftStep.context (policy.needs_context)")
+            if step.position_in_round == 0:
+                if self.index is None:
+                    self.index = ContextIndex()
+                elif self.round_mark is not None:
+                    self.index.rollback(self.round_mark)
+                for t in ctx[len(self.index.toks) :]:
+                    self.index.push(t)
+                self.round_mark = self.index.mark()
+                prev = ctx[-1] if ctx else -1
+            else:
+                self.index.push(self.last)
+                prev = self.last
+            self.last = step.token
+        values: list[float] = []
+        for g in spec.groups:
+            if g == "verify":
+                values += step.verify.values() if step.verify is not None else NO_VERIFY
+            elif g == "copy":
+                values += self.index.copy_features(step.token)
+            elif g == "token":
+                values += [float(step.token), float(prev)]
+        if values:
+            buf[i : i + len(values)] = torch.tensor(values)
+            i += len(values)
+        if "hidden" in spec.groups:
+            buf[i:].copy_(step.hidden.float())
+        return buf
 
 
 # ------------------------------------------------------------------------------------ trace columns → head inputs
@@ -162,19 +361,109 @@ def trace_round_positions(columns: dict):
     return idx - last_reset
 
 
+PLUS_COLUMNS = {
+    "verify": ("target_entropy", "target_margin", "tvd"),
+    "copy": ("context_token", "prompt_tokens"),
+    "token": ("context_token", "prompt_tokens"),
+    "hidden": ("draft_hidden",),
+}
+ROUND_COLUMNS = ("draft_token", "target_token", "position", "prompt_id", "kind")
+
+
+def needed_columns(spec: FeatureSpec) -> tuple[str, ...]:
+    """The trace columns `features_from_columns` reads for a spec."""
+    if spec.kind == "hidden":
+        return ("draft_hidden",)
+    cols = ["draft_topk", "draft_entropy", *ROUND_COLUMNS]
+    if spec.kind == "disco_plus":
+        for g in spec.groups:
+            cols += PLUS_COLUMNS[g]
+    return tuple(dict.fromkeys(cols))
+
+
+def verify_columns(columns: dict):
+    """(N, 5) VERIFY features per trace row, for rounds cut after each greedy mismatch (`trace_round_positions`).
+
+    A round that starts at row s (not a continuation start) follows a round that ended with its first rejection at
+    row s − 1: the decoder verified rows s' .. s − 1 there (s' = that round's start), accepted s − 1 − s' of them,
+    and produced the round's first context token from p at row s − 1. So, per row of the round: H_p and the top-2
+    margin at row s − 1, accepted = s − 1 − s', all-accepted = 0, mean TVD over rows s' .. s − 1. A decoder whose
+    round stopped before its first rejection had all of them accepted; those rounds do not occur in these traces.
+    """
+    import numpy as np
+
+    pos = trace_round_positions(columns)
+    starts = continuation_starts(columns)
+    n = len(pos)
+    idx = np.arange(n)
+    rs = idx - pos  # each row's round start
+    out = np.zeros((n, len(VERIFY)), dtype=np.float32)
+    has = ~starts[rs]
+    last = np.maximum(rs - 1, 0)
+    ent = _np(columns["target_entropy"]).astype(np.float32)
+    margin = _np(columns["target_margin"]).astype(np.float32)
+    tv = _np(columns["tvd"]).astype(np.float64)
+    csum = np.concatenate([[0.0], np.cumsum(tv)])
+    prev_start = last - pos[last]
+    mean_tvd = (csum[last + 1] - csum[prev_start]) / np.maximum(last + 1 - prev_start, 1)
+    out[:, 0] = np.where(has, ent[last], 0.0)
+    out[:, 1] = np.where(has, margin[last], 0.0)
+    out[:, 2] = np.where(has, pos[last], 0)
+    out[:, 4] = np.where(has, mean_tvd, 0.0)
+    return out
+
+
+def copy_token_columns(columns: dict):
+    """((N, 3) COPY, (N, 2) TOKEN) per trace row: the context is the prompt + the continuation's context tokens
+    before the row (the target's greedy tokens in target_ar traces: what a decoding round sees up to its first
+    rejection), the candidate is the row's draft_token, the previous token the context's last."""
+    import numpy as np
+
+    starts = np.flatnonzero(continuation_starts(columns))
+    ends = np.append(starts[1:], len(columns["position"]))
+    ctx_tok = _np(columns["context_token"]).astype(np.int64).tolist()
+    draft = _np(columns["draft_token"]).astype(np.int64).tolist()
+    prompts = columns["prompt_tokens"]
+    copy = np.zeros((len(draft), len(COPY)), dtype=np.float32)
+    tok = np.zeros((len(draft), len(TOKEN)), dtype=np.float32)
+    for a, b in zip(starts, ends):
+        index = ContextIndex(prompts[a])
+        for i in range(a, b):
+            copy[i] = index.copy_features(draft[i])
+            tok[i] = (draft[i], index.toks[-1] if index.toks else -1)
+            index.push(ctx_tok[i])
+    return copy, tok
+
+
 def features_from_columns(columns: dict, spec: FeatureSpec) -> torch.Tensor:
     """Head input (N, spec.dim) float32 from trace columns (a dict of arrays), the same vector decode builds per step.
 
     disco: [draft_topk[:, :k], draft_entropy, position in round] (`disco_vector`; the round position comes from
-    `trace_round_positions`); hidden: draft_hidden as float32.
+    `trace_round_positions`); hidden: draft_hidden as float32; disco_plus: the disco vector then, per group in
+    GROUPS order, `verify_columns`, `copy_token_columns` and draft_hidden (decode: `PlusFeatures.row`).
     """
-    if spec.kind == "disco":
+    if spec.kind in ("disco", "disco_plus"):
         topk = torch.as_tensor(_np(columns["draft_topk"]), dtype=torch.float32)
         if topk.ndim != 2 or topk.shape[1] < spec.k:
             raise ValueError(f"draft_topk has shape {tuple(topk.shape)}; the feature spec needs k={spec.k}")
         ent = torch.as_tensor(_np(columns["draft_entropy"]), dtype=torch.float32)
         pos = torch.as_tensor(trace_round_positions(columns), dtype=torch.float32)
-        return disco_vector(topk[:, : spec.k], ent, pos)
+        x = disco_vector(topk[:, : spec.k], ent, pos)
+        if spec.kind == "disco":
+            return x
+        parts = [x]
+        if "copy" in spec.groups or "token" in spec.groups:
+            copy, tok = copy_token_columns(columns)
+        for g in spec.groups:
+            if g == "verify":
+                parts.append(torch.as_tensor(verify_columns(columns)))
+            elif g == "copy":
+                parts.append(torch.as_tensor(copy))
+            elif g == "token":
+                parts.append(torch.as_tensor(tok))
+            else:
+                parts.append(features_from_columns(columns, FeatureSpec("hidden", d=spec.d)))
+        return torch.cat(parts, dim=1)
     if spec.kind == "hidden":
         hidden = torch.as_tensor(_np(columns["draft_hidden"])).float()
         if hidden.ndim != 2 or hidden.shape[1] != spec.d:

@@ -5,6 +5,13 @@ Three architectures behind one interface (`StopHead`: raw features in, logit out
 - `sprinter`: SPRINTER's single linear layer (+ sigmoid) on the draft's last hidden state.
 - `specdecpp`: SpecDec++'s prediction head, residual blocks x + SiLU(W_i x + b_i) (independent weights per block)
   then a linear readout, on the draft hidden state.
+- `disco_plus`: logit = a·logit(max q) + FFN(features) on the disco_plus features (models.features), token ids
+  through hashed embeddings. The FFN's output layer starts at zero and a at 1, so a fresh head *is* the max-q
+  score and training moves away from it only where the extra features pay.
+
+Calibration: `HeadBundle.calibration` = {temperature T, bias b} maps a logit z to sigmoid(z / T + b); train fits it on
+validation (`fit_calibration`, temperature scaling, plus a bias under `calibration=platt` — pos_weight and the
+train/test acceptance shift move the base rate, which a temperature alone cannot fix) and decode/eval apply it.
 
 `train` saves a Lightning checkpoint whose `specstop` entry holds everything decode needs (feature spec, label
 scheme, threshold, pair id, tokenizer hash, architecture); `load_head(path)` rebuilds a `HeadBundle` from it.
@@ -12,6 +19,7 @@ scheme, threshold, pair id, tokenizer hash, architecture); `load_head(path)` reb
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,7 +30,7 @@ from models.features import FeatureSpec
 from utils.cli import UserError
 
 CKPT_KEY = "specstop"
-KIND_FEATURES = {"disco": "disco", "sprinter": "hidden", "specdecpp": "hidden"}
+KIND_FEATURES = {"disco": "disco", "sprinter": "hidden", "specdecpp": "hidden", "disco_plus": "disco_plus"}
 
 
 class DiscoFFN(nn.Module):
@@ -73,7 +81,36 @@ class SpecDecPPHead(nn.Module):
         return self.out(self.blocks(x)).squeeze(-1)
 
 
-ARCHS = {"disco": DiscoFFN, "sprinter": SprinterLinear, "specdecpp": SpecDecPPHead}
+class DiscoPlus(nn.Module):
+    """logit = a·logit(max q) + FFN([normalised dense features, hashed token embeddings]); a=1, FFN output 0 at init.
+
+    Takes (normalised x, raw x): max q (column 0) enters through its raw logit, token-id columns (`token_cols`) as
+    integers hashed into `buckets` rows of one embedding table per column.
+    """
+
+    def __init__(self, in_dim: int, token_cols: list | None = None, hidden: int = 64, dropout: float = 0.0,
+                 buckets: int = 4096, emb: int = 8):
+        super().__init__()
+        self.token_cols = [int(c) for c in (token_cols or [])]
+        self.dense_cols = [i for i in range(in_dim) if i not in self.token_cols]
+        self.buckets = int(buckets)
+        self.embs = nn.ModuleList([nn.Embedding(self.buckets, emb) for _ in self.token_cols])
+        width = len(self.dense_cols) + emb * len(self.token_cols)
+        self.ffn = nn.Sequential(nn.Linear(width, hidden), nn.ReLU(), nn.Dropout(dropout), nn.Linear(hidden, 1))
+        nn.init.zeros_(self.ffn[-1].weight)
+        nn.init.zeros_(self.ffn[-1].bias)
+        self.a = nn.Parameter(torch.ones(()))
+
+    def forward(self, xn, x):
+        maxq = x[..., 0].clamp(1e-6, 1 - 1e-6)
+        parts = [xn[..., self.dense_cols]]
+        for col, emb in zip(self.token_cols, self.embs):
+            ids = x[..., col].long().clamp_min(0)
+            parts.append(emb((ids * 2654435761) % self.buckets))  # Knuth's multiplicative hash
+        return self.a * torch.logit(maxq) + self.ffn(torch.cat(parts, dim=-1)).squeeze(-1)
+
+
+ARCHS = {"disco": DiscoFFN, "sprinter": SprinterLinear, "specdecpp": SpecDecPPHead, "disco_plus": DiscoPlus}
 
 
 class StopHead(nn.Module):
@@ -93,12 +130,19 @@ class StopHead(nn.Module):
 
     def set_normalization(self, mean: torch.Tensor, std: torch.Tensor) -> None:
         """Fit on the training features; constant columns keep std 1 (they carry no signal)."""
-        std = torch.where(std > 1e-6, std, torch.ones_like(std))
+        # a column constant in training carries no signal; disco_plus makes it inert (std = inf → input 0) because its
+        # features can take values at decode that training never showed (the all-accepted flag: always 0 on
+        # target_ar trace rounds), and an untrained first-layer weight would turn them into noise
+        fill = torch.full_like(std, math.inf) if self.kind == "disco_plus" else torch.ones_like(std)
+        std = torch.where(std > 1e-6, std, fill)
         self.mean.copy_(mean.float())
         self.std.copy_(std.float())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net((x.float() - self.mean) / self.std)
+        x = x.float()
+        if self.kind == "disco_plus":
+            return self.net((x - self.mean) / self.std, x)
+        return self.net((x - self.mean) / self.std)
 
 
 def build_head(kind: str, spec: FeatureSpec, arch: dict | None = None) -> StopHead:
@@ -110,7 +154,44 @@ def build_head(kind: str, spec: FeatureSpec, arch: dict | None = None) -> StopHe
         raise UserError(f"head kind '{kind}' reads '{want}' features, not '{spec.kind}'")
     if spec.dim <= 0:
         raise UserError(f"head kind '{kind}' needs hidden states; regenerate traces with trace.store_hidden=true")
-    return StopHead(kind, spec.dim, arch)
+    return StopHead(kind, spec.dim, head_arch(kind, spec, arch))
+
+
+def head_arch(kind: str, spec: FeatureSpec, arch: dict | None) -> dict:
+    """The architecture kwargs; disco_plus also gets the token-id columns of its spec."""
+    arch = dict(arch or {})
+    if kind == "disco_plus":
+        arch["token_cols"] = spec.token_columns()
+    return arch
+
+
+def fit_calibration(logits: torch.Tensor, labels: torch.Tensor, mode: str = "platt", weights=None) -> dict:
+    """{temperature, bias} minimising the (weighted) BCE of sigmoid(z / T + b) on held-out rows (soft labels allowed).
+
+    `temperature`: b = 0 (Guo et al.'s temperature scaling); `platt`: T and b; `none`: identity.
+    """
+    if mode == "none":
+        return {"temperature": 1.0, "bias": 0.0, "mode": mode}
+    if mode not in ("temperature", "platt"):
+        raise UserError(f"calibration must be none, temperature or platt, got '{mode}'")
+    z, y = logits.detach().double().flatten(), labels.detach().double().flatten()
+    w = torch.ones_like(z) if weights is None else torch.as_tensor(weights).double().flatten()
+    log_t = torch.zeros((), dtype=torch.double, requires_grad=True)
+    b = torch.zeros((), dtype=torch.double, requires_grad=mode == "platt")
+    params = [log_t] + ([b] if mode == "platt" else [])
+    opt = torch.optim.LBFGS(params, lr=0.5, max_iter=200, line_search_fn="strong_wolfe")
+
+    def closure():
+        opt.zero_grad()
+        loss = (torch.nn.functional.binary_cross_entropy_with_logits(z / log_t.exp() + b, y, reduction="none") * w).sum() / w.sum()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    t = float(log_t.detach().exp())
+    if not (0 < t < float("inf")) or t != t:
+        return {"temperature": 1.0, "bias": 0.0, "mode": "none"}
+    return {"temperature": t, "bias": float(b.detach()), "mode": mode}
 
 
 @dataclass
@@ -126,14 +207,21 @@ class HeadBundle:
     tokenizer_hash: str
     arch: dict = field(default_factory=dict)
     path: str | None = None
+    calibration: dict = field(default_factory=lambda: {"temperature": 1.0, "bias": 0.0, "mode": "none"})
 
     @torch.no_grad()
-    def prob(self, x: torch.Tensor) -> torch.Tensor:
-        """Acceptance probability from RAW features (..., spec.dim); normalisation happens inside the head."""
+    def logit(self, x: torch.Tensor) -> torch.Tensor:
+        """The head's raw (uncalibrated) logit from RAW features (..., spec.dim)."""
         x = torch.as_tensor(x)
         if x.shape[-1] != self.spec.dim:
             raise UserError(f"head expects features of size {self.spec.dim} ({self.spec.kind}), got {x.shape[-1]}")
-        return torch.sigmoid(self.head(x.to(self.head.mean.device)))
+        return self.head(x.to(self.head.mean.device))
+
+    @torch.no_grad()
+    def prob(self, x: torch.Tensor) -> torch.Tensor:
+        """Calibrated acceptance probability from RAW features; normalisation happens inside the head."""
+        t, b = float(self.calibration.get("temperature", 1.0)), float(self.calibration.get("bias", 0.0))
+        return torch.sigmoid(self.logit(x) / t + b)
 
     @torch.no_grad()
     def scorer(self):
@@ -145,17 +233,44 @@ class HeadBundle:
         moving the head to its device; it reads a snapshot of the weights.
         """
         net, mean, std = self.head.net, self.head.mean, self.head.std
+        # calibration sigmoid(z / T + c) folded into the last layer too
+        t, c = float(self.calibration.get("temperature", 1.0)), float(self.calibration.get("bias", 0.0))
+        if isinstance(net, DiscoPlus):
+            return self._plus_scorer(net, mean, std, t, c)
         first = net.net[0] if isinstance(net, DiscoFFN) else net.linear if isinstance(net, SprinterLinear) else None
         if first is None:
             return lambda x: float(self.prob(x))
         w1 = (first.weight / std).detach().clone()
         b1 = (first.bias - w1 @ mean).detach().clone()
         if isinstance(net, SprinterLinear):
-            w, b = w1[0], b1
+            w, b = w1[0] / t, b1 / t + c
             return lambda x: float(torch.sigmoid(torch.dot(w, x) + b))
         last = net.net[-1]
-        w2, b2 = last.weight[0].detach().clone(), last.bias.detach().clone()
+        w2, b2 = (last.weight[0] / t).detach().clone(), (last.bias / t + c).detach().clone()
         return lambda x: float(torch.sigmoid(torch.dot(w2, torch.relu(torch.addmv(b1, w1, x))) + b2))
+
+    @staticmethod
+    def _plus_scorer(net: "DiscoPlus", mean, std, t: float, c: float):
+        """disco_plus as bare ops: normalisation folded into the first layer's dense columns, each token column's
+        embedding table pre-multiplied by its slice of that layer (one row read per id), calibration in the output."""
+        lin1, lin2 = net.ffn[0], net.ffn[-1]
+        dense = torch.tensor(net.dense_cols, device=mean.device)
+        nd, emb = len(net.dense_cols), (net.embs[0].embedding_dim if len(net.embs) else 0)
+        wd = (lin1.weight[:, :nd] / std[dense]).detach().clone()
+        bd = (lin1.bias - wd @ mean[dense]).detach().clone()
+        tables = [(col, (e.weight @ lin1.weight[:, nd + i * emb : nd + (i + 1) * emb].T).detach().clone())
+                  for i, (col, e) in enumerate(zip(net.token_cols, net.embs))]
+        w2, b2 = (lin2.weight[0] / t).detach().clone(), float(lin2.bias / t + c)
+        a, buckets = float(net.a / t), net.buckets
+
+        def score(x):
+            h = torch.addmv(bd, wd, x[dense])
+            for col, table in tables:
+                h = h + table[(max(int(x[col]), 0) * 2654435761) % buckets]
+            q = min(max(float(x[0]), 1e-6), 1 - 1e-6)
+            return 1.0 / (1.0 + math.exp(-(a * math.log(q / (1 - q)) + float(torch.dot(w2, torch.relu(h))) + b2)))
+
+        return score
 
     def check_pair(self, pair) -> None:
         """Refuse a pair this head was not trained for (pair id, tokenizer, draft hidden size)."""
@@ -165,7 +280,7 @@ class HeadBundle:
                 f"head{where} was trained on pair {self.pair_id} (tokenizer {self.tokenizer_hash}) but this run uses "
                 f"pair {pair.pair_id} (tokenizer {pair.tokenizer_hash}); train a head for this pair or pick its pair="
             )
-        if self.spec.kind == "hidden":
+        if self.spec.kind == "hidden" or "hidden" in self.spec.groups:
             d = int(pair.draft.config.hidden_size)
             if d != self.spec.d:
                 raise UserError(
@@ -182,6 +297,7 @@ class HeadBundle:
             "pair_id": self.pair_id,
             "tokenizer_hash": self.tokenizer_hash,
             "arch": dict(self.arch),
+            "calibration": dict(self.calibration),
         }
 
 
@@ -198,7 +314,7 @@ def load_head(path: str | Path, map_location: str | torch.device = "cpu") -> Hea
     if not meta:
         raise UserError(f"{path} is not a stop-head checkpoint (no '{CKPT_KEY}' entry); pass a .ckpt written by train")
     spec = FeatureSpec(**meta["spec"])
-    head = StopHead(meta["kind"], spec.dim, meta.get("arch"))
+    head = StopHead(meta["kind"], spec.dim, head_arch(meta["kind"], spec, meta.get("arch")))
     state = {k[len("head."):]: v for k, v in ckpt["state_dict"].items() if k.startswith("head.")}
     head.load_state_dict(state)
     head.eval()
@@ -212,4 +328,5 @@ def load_head(path: str | Path, map_location: str | torch.device = "cpu") -> Hea
         tokenizer_hash=str(meta["tokenizer_hash"]),
         arch=dict(meta.get("arch") or {}),
         path=str(path),
+        calibration=dict(meta.get("calibration") or {"temperature": 1.0, "bias": 0.0, "mode": "none"}),
     )

@@ -185,3 +185,70 @@ def test_export_keeps_only_what_decode_reads(tmp_path):
     (run.parent / ".hydra" / "config.yaml").write_text("trace_dirs: {train: tr, validation: va, test: te}\n")
     dst = export(run / "best.ckpt", tmp_path / "out" / "h2.ckpt")
     assert torch.load(dst, weights_only=False)[CKPT_KEY]["traces"] == {"train": "tr", "validation": "va", "test": "te"}
+
+
+def test_disco_plus_starts_as_max_q_and_embeds_token_ids():
+    """A fresh disco_plus head scores exactly logit(max q), so training starts from the confidence baseline."""
+    spec = FeatureSpec("disco_plus", k=10, groups=["verify", "copy", "token"])
+    head = build_head("disco_plus", spec, {"hidden": 8})
+    x = torch.rand(6, spec.dim)
+    x[:, spec.token_columns()] = torch.tensor([[3.0, 49151.0]]).expand(6, 2)
+    torch.testing.assert_close(head(x), torch.logit(x[:, 0]))
+    torch.nn.init.normal_(head.net.ffn[-1].weight)
+    y = x.clone()
+    y[:, spec.token_columns()[0]] = 7.0  # another drafted token id moves the score once the FFN is trained
+    assert not torch.allclose(head(x), head(y))
+    assert spec.names[-2:] == ["draft_token_id", "prev_token_id"] and spec.dim == 22
+
+
+def test_calibration_fit_and_scorer():
+    from models.heads import DiscoFFN, fit_calibration
+
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(4000, generator=g) * 3
+    y = (torch.rand(4000, generator=g) < torch.sigmoid(z / 2.0 + 0.5)).float()
+    cal = fit_calibration(z, y, "platt")
+    assert abs(cal["temperature"] - 2.0) < 0.3 and abs(cal["bias"] - 0.5) < 0.2
+    only_t = fit_calibration(z, y, "temperature")
+    assert only_t["bias"] == 0.0 and fit_calibration(z, y, "none")["temperature"] == 1.0
+    with pytest.raises(UserError, match="calibration"):
+        fit_calibration(z, y, "isotonic")
+    head = StopHead("disco", 12, {"hidden": 8})
+    assert isinstance(head.net, DiscoFFN)
+    bundle = HeadBundle(head=head, kind="disco", spec=FeatureSpec("disco"), labels={}, threshold=0.5, pair_id="p",
+                        tokenizer_hash="t", calibration=cal)
+    x = torch.randn(12)
+    torch.testing.assert_close(torch.tensor(bundle.scorer()(x)), bundle.prob(x), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(bundle.prob(x), torch.sigmoid(bundle.logit(x) / cal["temperature"] + cal["bias"]))
+
+
+def test_disco_plus_scorer_equals_prob():
+    """decode's folded disco_plus scorer gives the module's calibrated probability."""
+    spec = FeatureSpec("disco_plus", k=10, groups=["verify", "copy", "token"])
+    head = build_head("disco_plus", spec, {"hidden": 8, "buckets": 64})
+    torch.nn.init.normal_(head.net.ffn[-1].weight)
+    x = torch.rand(20, spec.dim) * 2
+    x[:, spec.token_columns()] = torch.randint(0, 49152, (20, 2)).float()
+    head.set_normalization(x.mean(0), x.std(0))
+    bundle = HeadBundle(head=head, kind="disco_plus", spec=spec, labels={}, threshold=0.5, pair_id="p",
+                        tokenizer_hash="t", calibration={"temperature": 1.7, "bias": -0.3})
+    score = bundle.scorer()
+    x[:, 0] = x[:, 0].clamp(0.01, 0.99)
+    got = torch.tensor([score(row) for row in x])
+    torch.testing.assert_close(got, bundle.prob(x).double(), atol=1e-5, rtol=1e-4, check_dtype=False)
+
+
+def test_disco_plus_ignores_columns_constant_in_training():
+    """The all-accepted flag is 0 on every target_ar trace row; a 1 at decode must not move the score."""
+    spec = FeatureSpec("disco_plus", k=10, groups=["verify"])
+    head = build_head("disco_plus", spec, {"hidden": 8})
+    torch.nn.init.normal_(head.net.ffn[-1].weight)
+    x = torch.rand(30, spec.dim)
+    flag = spec.names.index("last_all_accepted")
+    x[:, flag] = 0.0
+    head.set_normalization(x.mean(0), x.std(0))
+    y = x.clone()
+    y[:, flag] = 1.0
+    torch.testing.assert_close(head(y), head(x))
+    bundle = HeadBundle(head=head, kind="disco_plus", spec=spec, labels={}, threshold=0.5, pair_id="p", tokenizer_hash="t")
+    assert abs(bundle.scorer()(y[0]) - float(bundle.prob(x[0]))) < 1e-5

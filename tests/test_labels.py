@@ -58,3 +58,28 @@ def test_labels_from_a_dataset_and_errors():
         make_labels({"draft_token": COLS["draft_token"]}, scheme("greedy_match"))
     with pytest.raises(UserError, match="unknown label scheme"):
         make_labels(COLS, OmegaConf.create({"name": "nope"}))
+
+
+def test_sum_min_is_one_minus_tvd():
+    np.testing.assert_allclose(make_labels(COLS, scheme("sum_min")), [0.9, 0.5, 0.25], rtol=1e-6)
+    assert is_soft(scheme("sum_min"))
+
+
+def test_reach_weights():
+    """Reach R = Π of the earlier rows' acceptances in the round; weight R + (1 − R)·w."""
+    from data_gen.labels import make_weights
+
+    cols = {**COLS, "position": np.arange(3, dtype=np.int32), "prompt_id": np.array(["a"] * 3),
+            "kind": np.array(["target_ar"] * 3)}
+    np.testing.assert_array_equal(make_weights(cols, scheme("greedy_match")), [1, 1, 1])  # default: off
+    # hard reach: rounds end at a rejection (row 1), so every row is reachable
+    np.testing.assert_array_equal(make_weights(cols, scheme("greedy_match", reach_weight=0.0)), [1, 1, 1])
+    # soft reach min(1, p/q) = [1, 5/6, 1/3]; rows 0-1 form one round (row 1 rejected greedily), row 2 a new one
+    w = make_weights(cols, scheme("accept_prob", reach_weight=0.2, reach="soft"))
+    np.testing.assert_allclose(w, [1.0, 1.0, 1.0], rtol=1e-6)
+    cols["target_token"] = cols["draft_token"].copy()  # all accepted greedily: one round of three rows
+    w = make_weights(cols, scheme("accept_prob", reach_weight=0.2, reach="soft"))
+    r = np.array([1.0, 1.0, 5 / 6])
+    np.testing.assert_allclose(w, r + (1 - r) * 0.2, rtol=1e-6)
+    with pytest.raises(UserError, match="reach_weight"):
+        make_weights(cols, scheme("greedy_match", reach_weight=2.0))

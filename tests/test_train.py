@@ -81,11 +81,15 @@ def test_fast_dev_run_each_head_round_trips(tmp_path, model, labels):
     assert json.loads((tmp_path / "results.json").read_text())["ckpt_path"] == res["ckpt_path"]
     bundle = load_head(res["ckpt_path"])
     assert bundle.kind == model and bundle.pair_id == "tiny_random" and bundle.labels["name"] == labels
-    # the reloaded head gives exactly the trained module's outputs, from raw features
+    # the reloaded head gives exactly the trained module's outputs, from raw features, then the calibration
+    # fitted on validation (stored in the checkpoint)
     module = StopHeadModule.load_from_checkpoint(res["ckpt_path"]).eval()
     x = torch.randn(9, bundle.spec.dim) * 3
+    cal = bundle.calibration
+    assert cal["mode"] == "platt" and cal["temperature"] > 0 and res["calibration"] == cal
     with torch.no_grad():
-        torch.testing.assert_close(bundle.prob(x), torch.sigmoid(module(x)), rtol=0, atol=0)
+        torch.testing.assert_close(bundle.logit(x), module(x), rtol=0, atol=0)
+        torch.testing.assert_close(bundle.prob(x), torch.sigmoid(module(x) / cal["temperature"] + cal["bias"]))
     assert module.threshold == bundle.threshold == res["threshold"]
     assert not torch.allclose(bundle.head.std, torch.ones_like(bundle.head.std))  # normalisation fitted and saved
 

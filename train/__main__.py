@@ -113,12 +113,25 @@ def feature_spec(cfg: DictConfig, manifest: dict):
     kind = str(cfg.model.kind)
     if kind not in KIND_FEATURES:
         raise UserError(f"unknown model.kind '{kind}'; known: {', '.join(KIND_FEATURES)}")
-    if KIND_FEATURES[kind] == "disco":
+    if KIND_FEATURES[kind] in ("disco", "disco_plus"):
         k = int(cfg.model.get("k", 10))
         have = int(manifest.get("topk", k))
         if have < k:
             raise UserError(f"DISCO head needs top-{k} probabilities but the traces stored top-{have}; set model.k<={have}")
-        return FeatureSpec("disco", k=k)
+        if kind != "disco_plus":
+            return FeatureSpec("disco", k=k)
+        groups = list(cfg.model.get("groups") or [])
+        try:
+            spec = FeatureSpec("disco_plus", k=k, groups=groups)
+        except ValueError as err:
+            raise UserError(f"model.groups: {err}") from None
+        if "hidden" in spec.groups:
+            d = int(manifest.get("hidden_size", 0) or 0)
+            if d <= 0:
+                raise UserError("model.groups has 'hidden' but these traces have no hidden states; regenerate with "
+                                "trace.store_hidden=true or drop 'hidden' from model.groups")
+            spec = FeatureSpec("disco_plus", k=k, d=d, groups=groups)
+        return spec
     d = int(manifest.get("hidden_size", 0) or 0)
     if d <= 0:
         raise UserError(
@@ -263,6 +276,8 @@ def run(cfg: DictConfig, run_dir: Path, traces: dict | None = None, manifests: d
             ckpt_path = str(ckpt_dir / "last.ckpt")
             trainer.save_checkpoint(ckpt_path)
         trainer.test(module, datamodule=dm, ckpt_path=ckpt_path, verbose=False)
+        calibrate_checkpoint(Path(ckpt_path), dm.data["validation"], str(cfg.get("calibration", "none")),
+                             str(cfg.threshold_mode), float(cfg.threshold))
 
         bundle = load_head(ckpt_path)
         test = dm.data["test"]
@@ -283,6 +298,8 @@ def run(cfg: DictConfig, run_dir: Path, traces: dict | None = None, manifests: d
             "val/auroc": float(best) if best is not None else math.nan,
             "threshold": bundle.threshold,
             "threshold_mode": str(cfg.threshold_mode),
+            "calibration": bundle.calibration,
+            "test/ece": expected_calibration_error(scores, test["y"].numpy()),
             "ckpt_path": str(Path(ckpt_path).resolve()),
             "kind": bundle.kind,
             "labels": labels_dict,
@@ -302,6 +319,40 @@ def run(cfg: DictConfig, run_dir: Path, traces: dict | None = None, manifests: d
         wandb_run.finish()
     print_table(results)
     return results
+
+
+def expected_calibration_error(scores, labels, n_bins: int = 15) -> float:
+    """ECE (L1, equal-width bins) of scores against hard labels (soft ones binarised at 0.5), as `python -m eval`."""
+    import torch
+    from torchmetrics.classification import BinaryCalibrationError
+
+    y = (torch.as_tensor(labels) >= 0.5).long()
+    return float(BinaryCalibrationError(n_bins=n_bins, norm="l1")(torch.as_tensor(scores, dtype=torch.float32), y))
+
+
+def calibrate_checkpoint(path: Path, val: dict, mode: str, threshold_mode: str, threshold: float) -> dict:
+    """Fit the head's calibration on the validation rows and store it in the checkpoint (models.heads).
+
+    The best-F1 threshold is re-chosen on the calibrated validation scores (the same cut, since the map is monotone;
+    it is rewritten so decode compares calibrated probabilities with a threshold on the same scale).
+    """
+    import torch
+
+    from eval.metrics import best_f1_threshold
+    from models.heads import CKPT_KEY, fit_calibration, load_head
+
+    bundle = load_head(path)
+    logits = bundle.logit(val["x"]).cpu()
+    calib = fit_calibration(logits, val["y"], mode, val.get("w"))
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    ckpt[CKPT_KEY]["calibration"] = calib
+    if threshold_mode == "best_f1":
+        scores = torch.sigmoid(logits / calib["temperature"] + calib["bias"])
+        ckpt[CKPT_KEY]["threshold"], _ = best_f1_threshold(scores, val["y"])
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(ckpt, tmp)
+    tmp.replace(path)
+    return calib
 
 
 def print_table(results: dict) -> None:

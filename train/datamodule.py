@@ -15,17 +15,13 @@ import torch
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader, TensorDataset, WeightedRandomSampler
 
-from data_gen.labels import is_soft, make_labels, required_columns
-from models.features import FeatureSpec, features_from_columns, trace_round_positions
+from data_gen.labels import is_soft, make_labels, make_weights, required_columns, weight_columns
+from models.features import FeatureSpec, features_from_columns, needed_columns, trace_round_positions
 from utils.cli import UserError
 
 log = logging.getLogger(__name__)
 
 SPLITS = ("train", "validation", "test")
-FEATURE_COLUMNS = {
-    "disco": ("draft_topk", "draft_entropy", "draft_token", "target_token", "position", "prompt_id", "kind"),
-    "hidden": ("draft_hidden",),
-}
 ROUND_COLUMNS = ("draft_token", "target_token", "position", "prompt_id", "kind")
 
 
@@ -44,7 +40,17 @@ def trace_columns(ds, names) -> dict[str, np.ndarray]:
             continue
         col = table.column(name).combine_chunks()
         t = col.type
-        if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        ragged = False
+        if pa.types.is_list(t) or pa.types.is_large_list(t):
+            import pyarrow.compute as pc
+
+            lengths = pc.list_value_length(col).to_numpy(zero_copy_only=False) if len(col) else np.zeros(0)
+            ragged = len(lengths) > 0 and lengths.min() != lengths.max()
+        if ragged:  # variable length (prompt_tokens): one int64 array per row
+            arr = np.empty(len(col), dtype=object)
+            arr[:] = [np.asarray(v, dtype=np.int64) for v in col.to_pylist()]
+            out[name] = arr
+        elif pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
             flat = col.flatten().to_numpy(zero_copy_only=False)
             out[name] = flat.reshape(len(col), -1) if len(col) else flat.reshape(0, 0)
         else:
@@ -92,8 +98,8 @@ class TraceDataModule(L.LightningDataModule):
         missing = [s for s in SPLITS if s not in self.traces]
         if missing:
             raise UserError(f"no traces for split(s) {missing}; train needs train, validation and test")
-        feature_cols = FEATURE_COLUMNS[self.spec.kind]
-        needed = tuple(required_columns(self.labels_cfg)) + feature_cols + ROUND_COLUMNS
+        feature_cols = needed_columns(self.spec)
+        needed = tuple(required_columns(self.labels_cfg)) + feature_cols + ROUND_COLUMNS + weight_columns(self.labels_cfg)
         prompts = {}
         for split in SPLITS:
             ds = self.traces[split]
@@ -103,12 +109,17 @@ class TraceDataModule(L.LightningDataModule):
             lack = [c for c in feature_cols if c not in names]
             if lack:
                 hint = " (regenerate with trace.store_hidden=true)" if "draft_hidden" in lack else ""
+                if set(lack) & {"target_margin", "context_token", "prompt_tokens"}:
+                    hint = (" (made before disco_plus features existed: regenerate them with python -m data_gen and the "
+                            "same settings plus overwrite=true, or delete the trace folder and rerun train)")
                 raise UserError(f"{self.spec.kind} features need trace column(s) {lack} missing from the {split} traces{hint}")
             cols = trace_columns(ds, [c for c in dict.fromkeys(needed) if c in names])
             labels = make_labels(cols, self.labels_cfg)
+            weights = make_weights(cols, self.labels_cfg)
             x = features_from_columns(cols, self.spec)
             pos = torch.as_tensor(trace_round_positions(cols), dtype=torch.long)
-            self.data[split] = {"x": x, "y": torch.as_tensor(labels, dtype=torch.float32), "pos": pos}
+            self.data[split] = {"x": x, "y": torch.as_tensor(labels, dtype=torch.float32), "pos": pos,
+                                "w": torch.as_tensor(weights, dtype=torch.float32)}
             prompts[split] = set(np.asarray(cols["prompt_id"]).tolist())
         for i, a in enumerate(SPLITS):
             for b in SPLITS[i + 1 :]:
@@ -120,6 +131,8 @@ class TraceDataModule(L.LightningDataModule):
         x = self.data["train"]["x"]
         if self.normalize:
             self.mean, self.std = x.mean(0), x.std(0) if len(x) > 1 else torch.ones(x.shape[1])
+            tok = self.spec.token_columns() if self.spec.kind == "disco_plus" else []
+            self.mean[tok], self.std[tok] = 0.0, 1.0  # token ids are embedded by the head, never normalised
         y = self.data["train"]["y"]
         pos, n = float(y.sum()), float(len(y))
         self.pos_weight = (n - pos) / pos if pos > 0 and self.imbalance == "pos_weight" else 1.0
@@ -129,7 +142,7 @@ class TraceDataModule(L.LightningDataModule):
 
     def _loader(self, split: str, train: bool = False) -> DataLoader:
         d = self.data[split]
-        ds = TensorDataset(d["x"], d["y"])
+        ds = TensorDataset(d["x"], d["y"], d["w"])
         gen = torch.Generator().manual_seed(self.seed)
         sampler = None
         if train and self.imbalance == "sampler":

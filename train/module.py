@@ -60,20 +60,24 @@ class StopHeadModule(L.LightningModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(x)
 
-    def _loss(self, logits, y):
+    def _loss(self, logits, y, w=None):
+        """BCE with logits (soft labels allowed), per-row weights w (labels.reach_weight) averaged as Σw·l / Σw."""
         pw = torch.tensor(self.hparams.pos_weight, device=logits.device)
-        return F.binary_cross_entropy_with_logits(logits, y, pos_weight=pw)
+        if w is None:
+            return F.binary_cross_entropy_with_logits(logits, y, pos_weight=pw)
+        per_row = F.binary_cross_entropy_with_logits(logits, y, pos_weight=pw, reduction="none")
+        return (per_row * w).sum() / w.sum().clamp_min(1e-12)
 
     def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = self._loss(self(x), y)
+        x, y, w = batch
+        loss = self._loss(self(x), y, w)
         self.log("train/loss", loss, on_step=False, on_epoch=True, prog_bar=True, batch_size=len(y))
         return loss
 
     def validation_step(self, batch, batch_idx):
-        x, y = batch
+        x, y, w = batch
         logits = self(x)
-        self.log("val/loss", self._loss(logits, y), on_epoch=True, prog_bar=True, batch_size=len(y))
+        self.log("val/loss", self._loss(logits, y, w), on_epoch=True, prog_bar=True, batch_size=len(y))
         scores = torch.sigmoid(logits)
         self.val_metrics.update(scores, (y >= 0.5).long())
         self._val_scores.append(scores.detach().cpu())
@@ -93,9 +97,9 @@ class StopHeadModule(L.LightningModule):
         self.log("val/f1", classification_metrics(scores, labels, self.threshold)["f1"], prog_bar=True)
 
     def test_step(self, batch, batch_idx):
-        x, y = batch
+        x, y, w = batch
         logits = self(x)
-        self.log("test/loss", self._loss(logits, y), on_epoch=True, batch_size=len(y))
+        self.log("test/loss", self._loss(logits, y, w), on_epoch=True, batch_size=len(y))
         self.test_metrics.update(torch.sigmoid(logits), (y >= 0.5).long())
 
     def on_test_epoch_end(self):

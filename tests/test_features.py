@@ -1,0 +1,163 @@
+"""models.features: the disco_plus rows decode builds from the loop's state are the rows trace loading builds from the
+stored columns (greedy target_ar, every position up to each round's first rejection), and the copy features mean
+what their docstring says."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from tests.conftest import REPO
+
+N_PROMPTS, NEW = 3, 24
+
+
+@pytest.fixture(scope="module")
+def plus_traces(tmp_path_factory, tiny_pair):
+    from data_gen.run import generate
+
+    root = tmp_path_factory.mktemp("plus_traces")
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("data_gen", ["pair=tiny_random", "dataset=mbpp", f"trace_root={root}", "progress=false",
+                                   f"trace.max_new_tokens={NEW}", "trace.store_hidden=true", "split=test",
+                                   f"limit={N_PROMPTS}"])
+    return generate(cfg, "test", tiny_pair)
+
+
+class Recorder:
+    """A never-stopping policy that records the disco_plus row of every drafted token, kept up to the round's first
+    rejection (the positions where the decoder's context is the target's)."""
+
+    name = "recorder"
+    needs_probs = needs_hidden = needs_context = needs_verify_stats = True
+    approximate = False
+    max_len = 10 * NEW
+
+    def __init__(self, spec):
+        from models.features import PlusFeatures
+
+        self.plus = PlusFeatures(spec)
+        self.rows: dict[int, torch.Tensor] = {}
+        self._round: list[tuple[int, torch.Tensor]] = []
+        self.rounds: list[tuple[int, int]] = []
+
+    def reset(self, **ctx):
+        self.plus.reset()
+
+    def should_stop(self, step):
+        self._round.append((step.position, self.plus.row(step).clone()))
+        return False
+
+    def observe(self, drafted, accepted):
+        self.rounds.append((drafted, accepted))
+        for pos, row in self._round[: accepted + 1]:
+            self.rows[pos] = row
+        self._round = []
+
+
+def test_decode_rows_equal_trace_rows(plus_traces, tiny_pair):
+    from data_gen.store import load_traces
+    from data_gen.traces import eos_ids
+    from decode.loop import autoregressive, speculative
+    from models.features import GROUPS, FeatureSpec, continuation_starts, features_from_columns, needed_columns
+    from train.datamodule import trace_columns
+
+    ds, manifest = load_traces(plus_traces)
+    spec = FeatureSpec("disco_plus", k=10, d=int(manifest["hidden_size"]), groups=GROUPS)
+    cols = trace_columns(ds, list(needed_columns(spec)))
+    x = features_from_columns(cols, spec)
+    assert x.shape == (len(ds), spec.dim)
+    starts = np.flatnonzero(continuation_starts(cols))
+    ends = np.append(starts[1:], len(ds))
+    names = spec.names
+    exact = [names.index(n) for n in ("position_in_round", "last_accepted", "last_all_accepted", "copy_len",
+                                      "lookup_hit", "lookup_len", "draft_token_id", "prev_token_id")]
+    hidden = list(range(spec.dim - spec.d, spec.dim))  # stored as fp16 in the traces
+    approx = [i for i in range(spec.dim) if i not in exact and i not in hidden]
+    compared = rejected_rounds = 0
+    for a, b in zip(starts, ends):
+        prompt = [int(t) for t in cols["prompt_tokens"][a]]
+        rec = Recorder(spec)
+        res = speculative(tiny_pair, prompt, rec, max_new_tokens=NEW, eos=eos_ids(tiny_pair))
+        target = autoregressive(tiny_pair, prompt, NEW, eos=eos_ids(tiny_pair)).tokens
+        assert res.tokens == target == cols["context_token"][a:b].tolist()  # lossless, and the trace's path
+        rejected_rounds += sum(n < k for k, n in rec.rounds)
+        for pos, row in rec.rows.items():
+            want = x[a + pos]
+            assert torch.equal(row[exact], want[exact]), (pos, row[exact], want[exact])
+            # float features: the same definitions, two fp32 passes (batched teacher-forced vs incremental): ~5e-6 apart
+            torch.testing.assert_close(row[approx], want[approx], atol=2e-5, rtol=1e-5)
+            torch.testing.assert_close(row[hidden], want[hidden], atol=1e-3, rtol=1e-3)
+            compared += 1
+    assert compared > 2 * N_PROMPTS and rejected_rounds > 0
+    # the groups carried something on these rows: verification after a first round, copies of the context
+    col = {n: x[:, names.index(n)] for n in names}
+    assert (col["target_entropy"] > 0).any() and (col["last_accepted"] > 0).any()
+    assert (col["copy_len"] > 0).any() and (col["lookup_len"] > 0).any()
+
+
+def test_copy_features_by_hand():
+    from models.features import ContextIndex
+
+    idx = ContextIndex([5, 6, 7, 8, 5, 6])
+    # 7 continues "5 6" (which is followed by 7 at the start): a 3-gram "5 6 7"; prompt lookup on "5 6" proposes 7
+    assert idx.copy_features(7) == [3.0, 1.0, 2.0]
+    assert idx.copy_features(9) == [0.0, 0.0, 2.0]  # never seen; the lookup proposal (7) is not 9
+    assert idx.copy_features(8) == [1.0, 0.0, 2.0]  # seen, but not after 6
+    mark = idx.mark()
+    idx.push(7)
+    assert idx.copy_features(8) == [4.0, 1.0, 3.0]  # "5 6 7 8" recurs; lookup on "5 6 7" proposes 8
+    idx.rollback(mark)
+    assert idx.toks == [5, 6, 7, 8, 5, 6] and idx.copy_features(7) == [3.0, 1.0, 2.0]
+
+
+def test_old_traces_refused_in_one_line(plus_traces):
+    """Traces without the new columns (made before disco_plus) are refused, naming the fix, not misread."""
+    from omegaconf import OmegaConf
+
+    from data_gen.store import load_traces
+    from models.features import FeatureSpec
+    from train.datamodule import TraceDataModule
+    from utils.cli import UserError
+
+    ds, _ = load_traces(plus_traces)
+    old = ds.remove_columns(["context_token", "prompt_tokens", "target_margin"])
+    dm = TraceDataModule({s: old for s in ("train", "validation", "test")}, OmegaConf.create({"name": "greedy_match"}),
+                         FeatureSpec("disco_plus", groups=["verify", "copy"]))
+    with pytest.raises(UserError, match="overwrite=true") as err:
+        dm.setup()
+    assert "\n" not in str(err.value)
+
+
+def test_disco_plus_trains_calibrates_and_decodes_losslessly(tmp_path, tiny_pair):
+    """model=disco_plus end to end on the tiny pair: traces → head (calibrated on validation) → learned:CKPT in the
+    decoder, which feeds it context and verification statistics and stays token-identical to target-only decoding."""
+    import json
+
+    from omegaconf import open_dict
+
+    from decode.runner import main as decode
+    from models.heads import load_head
+    from train.__main__ import run
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("train", ["pair=tiny_random", "logger=none", "dataset=mbpp", "model=disco_plus",
+                                f"trace_root={tmp_path / 'traces'}", "split_limits.train=3", "split_limits.validation=3",
+                                "split_limits.test=3", f"trace.max_new_tokens={NEW}", "trainer.max_epochs=3",
+                                "data.batch_size=16", "labels.reach_weight=0.5"])
+        with open_dict(cfg):
+            cfg.trainer.enable_progress_bar = False
+        res = run(cfg, tmp_path / "run")
+        bundle = load_head(res["ckpt_path"])
+        assert bundle.spec.kind == "disco_plus" and bundle.spec.groups == ("verify", "copy", "token")
+        assert bundle.calibration["mode"] == "platt" and 0 <= res["test/ece"] <= 1
+        out = tmp_path / "decode"
+        dcfg = compose("decode", ["pair=tiny_random", "dataset=mbpp", "split=test", "limit=2",
+                                  f"max_new_tokens={NEW}", "plots=false", "warmup=false",
+                                  f"policies=[learned:{res['ckpt_path']}]", f"out_dir={out}"])
+    decode(dcfg)
+    summary = json.loads((out / "summary.json").read_text())
+    row = next(v for k, v in summary.items() if k.startswith("learned"))
+    assert row["lossless"] is True and row["acceptance_rate"] >= 0
