@@ -3,7 +3,8 @@
 FR-Spec (arXiv 2502.14856) lets the draft score only the N most frequent tokens: its LM head — two thirds of a
 4-layer SmolLM2 draft step — shrinks by V/N while the target keeps the full vocabulary, so verification stays
 exact. This job counts tokens in the target's own greedy continuations of non-test prompts (what the draft must
-propose) and in human text of the same domains (conf/vocab_subset.yaml), and writes the ids by frequency to
+propose), in human text of the same domains and in Python standard-library source (code tokens: indentation
+runs, identifiers; conf/vocab_subset.yaml), and writes the ids by frequency to
 `out` (JSON: ids_by_frequency, counts, sources, coverage). `models.pair.reduce_draft_vocab` reads it.
 `coverage.traces` scores, for each size in `coverage.sizes`, the share of a trace folder's target tokens the subset
 contains (an upper bound on greedy acceptance of a subset draft relative to the full one).
@@ -74,7 +75,25 @@ def count_tokens(pair, cfg: DictConfig) -> tuple[Counter, list[dict]]:
                 counts.update(ids)
                 n += len(ids)
         sources.append({"kind": "text", "dataset": src.dataset, "split": src.split, "tokens": n})
+    if cfg.get("python_source_files"):
+        files = python_sources(int(cfg.python_source_files))
+        n = 0
+        for path in files:
+            ids = pair.tokenizer(path.read_text(encoding="utf-8", errors="ignore"), add_special_tokens=False)["input_ids"]
+            counts.update(ids)
+            n += len(ids)
+        sources.append({"kind": "python_stdlib", "files": len(files), "tokens": n})
     return counts, sources
+
+
+def python_sources(limit: int) -> list[Path]:
+    """The first `limit` modules of this interpreter's standard library (sorted by path, tests excluded): real
+    Python source that ships with every install and overlaps no prompt set."""
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py") if not {"test", "tests", "idlelib", "site-packages"} & set(p.parts))
+    return files[:limit]
 
 
 def coverage(ids_by_freq: list[int], sizes: list[int], folders: list[str]) -> dict:
