@@ -156,6 +156,77 @@ class _ThresholdEMA:
         self.lam = self.beta2 * self.lam + (1 - self.beta2) * target
 
 
+class ExpectedValueRule:
+    """Stop as soon as one more drafted token would lower the round's expected tokens per unit time.
+
+    The decision rule of SpecDec++ / DSpark / llama.cpp's expected-value drafting, costed with the measured profile
+    (models.cost): after k drafted tokens with calibrated acceptance probabilities a_1..a_k, the round yields
+    E = 1 + Σ_j Π_{i≤j} a_i tokens (the target always adds one) for T = k·c + t(k+1)/t(1) target steps. Drafting one
+    more adds Π_{i≤k} a_i · a_next tokens (a_next estimated by a_k) for c + (t(k+2) − t(k+1))/t(1) more; keep going
+    while that raises E/T. Any calibrated score can feed it, so training-free and learned rows share one rule.
+    """
+
+    def __init__(self, profile, max_len: int):
+        if profile is None:
+            raise UserError("the expected-value stop rule needs the measured cost profile (models.cost); decode and "
+                            "eval.replay pass it — build the policy with profile=...")
+        self.c = float(profile.cost_ratio)
+        self.v = [float(profile.verify_ratio(n)) for n in range(1, max_len + 3)]
+        self.reset()
+
+    def reset(self):
+        self.survive, self.expected, self.k = 1.0, 1.0, 0
+
+    def stop(self, a: float) -> bool:
+        """After a drafted token with P(accept) = a: stop drafting?"""
+        self.k += 1
+        self.survive *= a
+        self.expected += self.survive
+        k = self.k
+        time = k * self.c + self.v[k]
+        extra = self.c + self.v[k + 1] - self.v[k]
+        return self.survive * a * time <= self.expected * extra
+
+
+def platt(x: float, a: float, b: float) -> float:
+    """σ(a·x + b): a calibration map fitted on validation traces (eval.calibrate)."""
+    z = a * x + b
+    return 1.0 / (1.0 + math.exp(-z)) if z > -60 else 0.0
+
+
+class ExpectedValue(StopPolicy):
+    """A training-free score, calibrated to P(accept) on validation traces, under the expected-value stop rule.
+
+    `score`: `max_q` (the draft's max probability; x = logit(max q)) or `neg_entropy` (x = −H_q, SVIP's and
+    AdaEDL's signal). P(accept) = σ(a·x + b) with (a, b) from `python -m eval.calibrate` (conf/policy/expected_value.yaml).
+    """
+
+    name = "expected_value"
+
+    def __init__(self, score: str = "max_q", a: float = 1.0, b: float = 0.0, max_len: int = 16, profile=None):
+        super().__init__(max_len)
+        if score not in ("max_q", "neg_entropy"):
+            raise UserError(f"policy.expected_value.score must be max_q or neg_entropy, got '{score}'")
+        self.score, self.a, self.b = score, float(a), float(b)
+        self.rule = ExpectedValueRule(profile, self.max_len)
+
+    def prob(self, step: DraftStep) -> float:
+        if self.score == "max_q":
+            m = min(max(float(step.probs.max()), 1e-6), 1 - 1e-6)
+            x = math.log(m / (1 - m))
+        else:
+            x = -float(step.entropy)
+        return platt(x, self.a, self.b)
+
+    def should_stop(self, step):
+        if step.position_in_round == 0:
+            self.rule.reset()
+        return self.rule.stop(self.prob(step))
+
+    def describe(self):
+        return {**super().describe(), "score": self.score, "a": self.a, "b": self.b}
+
+
 class MaxConfidence(StopPolicy):
     """Stop when max q < λ (AdaEDL's Max-Confidence-SPD; transformers' `assistant_confidence_threshold`, default 0.4).
 
@@ -254,8 +325,16 @@ class Learned(StopPolicy):
     name = "learned"
     needs_probs = True
 
-    def __init__(self, bundle, threshold: float | None = None, max_len: int = 40, name: str | None = None):
+    def __init__(self, bundle, threshold: float | None = None, max_len: int = 40, name: str | None = None,
+                 rule: str = "auto", profile=None):
         super().__init__(max_len)
+        if rule not in ("auto", "threshold", "expected_value"):
+            raise UserError(f"policy.learned.rule must be auto, threshold or expected_value, got '{rule}'")
+        if rule == "auto":  # out of the box: a calibrated P(accept) needs no tuned threshold, a given threshold wins
+            calibrated = (getattr(bundle, "calibration", None) or {}).get("mode", "none") != "none"
+            rule = "expected_value" if (calibrated and threshold is None and not self.approximate
+                                        and bundle.kind != "specdecpp") else "threshold"
+        self.rule = ExpectedValueRule(profile, self.max_len) if rule == "expected_value" else None
         self.bundle = bundle
         self.kind = bundle.kind
         self.threshold = float(bundle.threshold if threshold is None else threshold)
@@ -303,14 +382,19 @@ class Learned(StopPolicy):
     def should_stop(self, step):
         if step.position_in_round == 0:
             self._survive = 1.0
+            if self.rule is not None:
+                self.rule.reset()
         a = self._prob(step)
+        if self.rule is not None:  # expected value under the cost profile (the head's P(accept) is calibrated)
+            return self.rule.stop(a)
         if self.kind == "specdecpp":
             self._survive *= a
             return 1.0 - self._survive > self.threshold
         return a < self.threshold
 
     def describe(self):
-        return {**super().describe(), "kind": self.kind, "threshold": self.threshold, "ckpt": self.bundle.path}
+        return {**super().describe(), "kind": self.kind, "threshold": self.threshold, "ckpt": self.bundle.path,
+                "rule": "expected_value" if self.rule is not None else "threshold"}
 
 
 class Sprinter(Learned):
@@ -329,6 +413,7 @@ POLICIES = {
     "max_confidence": MaxConfidence,
     "svip": SVIP,
     "adaedl": AdaEDL,
+    "expected_value": ExpectedValue,
     "learned": Learned,
     "sprinter": Sprinter,
 }
@@ -348,9 +433,16 @@ def parse_spec(spec: str) -> tuple[str, str | None]:
     return name, (path or None)
 
 
-def build_policy(spec: str, params: dict | None = None, pair=None, ckpt: str | None = None) -> StopPolicy:
-    """A policy from its spec (`svip`, `learned:PATH`) and its params (conf/policy/<name>.yaml + overrides)."""
+def build_policy(spec: str, params: dict | None = None, pair=None, ckpt: str | None = None,
+                 profile=None) -> StopPolicy:
+    """A policy from its spec (`svip`, `learned:PATH`) and its params (conf/policy/<name>.yaml + overrides).
+    `profile` (models.cost) is handed to the policies whose stop rule reads the cost curve."""
     name, path = parse_spec(spec)
+    wants_profile = name in ("expected_value", "learned")
+    if wants_profile and profile is None and pair is not None:
+        from models.cost import get_profile
+
+        profile = get_profile(pair)  # cached per machine
     if name == "target":
         raise UserError("'target' is target-only decoding, not a stop policy")
     params = {k: v for k, v in dict(params or {}).items() if k not in ("ckpt", "_name")}
@@ -374,10 +466,14 @@ def build_policy(spec: str, params: dict | None = None, pair=None, ckpt: str | N
         if pair is not None:
             bundle.check_pair(pair)
             bundle.head.to(pair.device)  # features stay on the models' device: no copy per drafted token
+        if wants_profile:
+            params["profile"] = profile
         try:
             return cls(bundle, **params)
         except TypeError as err:
             raise UserError(f"bad parameter for policy {name}: {err}") from None
+    if wants_profile:
+        params["profile"] = profile
     try:
         return cls(**params)
     except TypeError as err:

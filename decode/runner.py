@@ -169,7 +169,7 @@ def run_split(cfg: DictConfig, pair, split: str, methods: list[Method], profile,
     eos = eos_ids(pair)
 
     def fresh():  # adaptive state (heuristic K, AdaEDL λ) must not carry the warm-up into the run
-        return {m.key: build_policy(m.spec, m.params, pair=pair) for m in methods}
+        return {m.key: build_policy(m.spec, m.params, pair=pair, profile=profile) for m in methods}
 
     policies = fresh()
     if cfg.get("warmup", True):  # first calls allocate caches and pick kernels: keep them out of the timings
@@ -441,9 +441,9 @@ def main(cfg: DictConfig) -> dict:
     from models.pair import load_pair
 
     pair = load_pair(cfg.pair)
-    for m in methods:  # a bad checkpoint or parameter fails before any decoding
-        build_policy(m.spec, m.params, pair=pair)
     profile = get_profile(pair, cfg.get("profile"))  # measured once per machine, then cached
+    for m in methods:  # a bad checkpoint or parameter fails before any decoding
+        build_policy(m.spec, m.params, pair=pair, profile=profile)
     out_dir = Path(cfg.out_dir) if cfg.get("out_dir") else _hydra_dir()
     make_plots = bool(cfg.get("plots", True))
     if mode in ("run", "sweep"):

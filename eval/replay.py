@@ -196,9 +196,9 @@ def summarize(rounds_per_cont: list[list[tuple[int, int]]], profile: CostProfile
     }
 
 
-def build(method: Method, manifest: dict, folder: Path) -> StopPolicy:
+def build(method: Method, manifest: dict, folder: Path, profile: CostProfile | None = None) -> StopPolicy:
     path = parse_spec(method.spec)[1]
-    pol = build_policy(method.spec, method.params)
+    pol = build_policy(method.spec, method.params, profile=profile)
     if path:
         from eval.__main__ import check_compatible
 
@@ -214,7 +214,7 @@ def replay(methods: list[Method], conts, manifest, folder, profile: CostProfile,
     """Each method's replay summary; with the folder's `cols`, also the AUROC of the score its policy thresholds."""
     out = {}
     for m in tqdm(methods, desc=desc, unit="method", leave=False):
-        pol = build(m, manifest, folder)
+        pol = build(m, manifest, folder, profile)
         out[m.key] = summarize([replay_one(pol, cont) for cont in conts], profile)
         if cols is not None:
             out[m.key]["score_auroc"] = score_auroc(pol, cols)

@@ -8,6 +8,8 @@ On a CPU neither holds: in float32 a 3-token target pass cost 2× a 1-token one 
 So every cost the project models (decode's cost-model speedup, `mode=tune` by that metric, `eval.replay`, the
 expected-value stop rule) reads this curve instead:
 - `draft_ms[n-1]`: one draft call on n new tokens (1, or 2 after a fully accepted round) with logits at the last;
+- `draft_cold_ms`: the first draft call of a round, right after a target pass has pushed the draft's weights out of
+  the CPU caches (measured 1.2-1.5× a warm step on a 2-core EPYC: it is most of the draft cost of short rounds);
 - `target_ms[n-1]`: one target call on n new tokens with logits at all n (verification of n-1 drafted tokens);
 - `prefill_ms`: first calls on a fresh cache of L prompt tokens, for a few L (interpolated between them).
 Each is the median of `repeats` timed calls after warm-up, through `models.lm.LM` (the loop's own code path), at
@@ -34,7 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from utils.cli import UserError
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
 
 
 def machine() -> str:
@@ -66,6 +68,7 @@ class CostProfile:
     context: int
     repeats: int
     date: str = ""
+    draft_cold_ms: float | None = None  # None (older profiles): as a warm step
     extra: dict = field(default_factory=dict)
 
     # -- reading the curve ------------------------------------------------------------------------------------
@@ -110,7 +113,8 @@ class CostProfile:
         ns = [n for n in (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 41) if n <= len(self.target_ms)]
         lines = [f"cost profile · {self.key.get('pair')} · {self.key.get('dtype')} on {self.key.get('device')} · "
                  f"{self.key.get('threads')} threads · {self.key.get('machine')} · measured {self.date}",
-                 f"draft step {self.draft_ms[0]:.2f} ms, target step {self.target_ms[0]:.2f} ms, "
+                 f"draft step {self.draft_ms[0]:.2f} ms (first of a round {self.draft_cold_ms or 0:.2f}), "
+                 f"target step {self.target_ms[0]:.2f} ms, "
                  f"c = {self.cost_ratio:.3f}",
                  "target pass over n tokens ÷ target step: "
                  + ", ".join(f"n={n} {float(self.verify_ratio(n)):.2f}" for n in ns),
@@ -160,49 +164,52 @@ def measure(pair, settings: DictConfig, progress: bool = True) -> CostProfile:
                         max(settings.prefill_lengths)) + int(settings.max_n) + 2,), generator=gen).tolist()
     clock = Clock(pair.device)
 
-    def timed(fn) -> float:
-        for _ in range(warmup):
-            fn()
-        ts = []
-        for _ in range(repeats):
-            t = clock()
-            fn()
-            ts.append(clock() - t)
-        return 1000 * statistics.median(ts)
-
-    def step_curve(lm: LM, ns: list[int], last_all: bool, bar) -> list[float]:
-        cache = lm.new_cache()
-        lm(ids[: int(settings.context)], cache, last=0)
-        out = []
-        for n in ns:
-            chunk = ids[int(settings.context): int(settings.context) + n]
-
-            def call():
-                lm(chunk, cache, last=n if last_all else 1)
-                cache.crop(-n)
-
-            out.append(timed(call))
-            bar.update()
-        return out
-
-    def prefill(lm: LM, length: int) -> float:
-        return timed(lambda: lm(ids[:length], lm.new_cache(), last=1))
-
-    draft, target = LM(pair.draft, pair.vocab_size), LM(pair.target, pair.vocab_size)
+    c = int(settings.context)
     max_n = int(settings.max_n)
     lengths = [int(x) for x in settings.prefill_lengths]
-    with tqdm(total=2 + max_n + 2 * len(lengths), desc="cost profile", unit="point", disable=not progress) as bar:
-        draft_ms = step_curve(draft, [1, 2], False, bar)
-        target_ms = step_curve(target, list(range(1, max_n + 1)), True, bar)
-        pre_t, pre_d = [], []
-        for length in lengths:
-            pre_t.append(prefill(target, length))
-            bar.update()
-            pre_d.append(prefill(draft, length))
-            bar.update()
+    draft, target = LM(pair.draft, pair.vocab_size), LM(pair.target, pair.vocab_size)
+    dcache, tcache = draft.new_cache(), target.new_cache()
+    draft(ids[:c], dcache, last=0)
+    target(ids[:c], tcache, last=0)
+
+    def step(lm: LM, cache, n: int, last: int):
+        def call():
+            lm(ids[c: c + n], cache, last=last)
+            cache.crop(-n)
+        return call
+
+    def cold_draft():  # the first draft call of a round: right after a target pass over 3 tokens
+        step(target, tcache, 3, 3)()
+        t = clock()
+        step(draft, dcache, 1, 1)()
+        return clock() - t
+
+    probes = {("draft", 1): step(draft, dcache, 1, 1), ("draft", 2): step(draft, dcache, 2, 1)}
+    probes.update({("target", n): step(target, tcache, n, n) for n in range(1, max_n + 1)})
+    for length in lengths:
+        probes[("prefill_target", length)] = lambda L=length: target(ids[:L], target.new_cache(), last=1)
+        probes[("prefill_draft", length)] = lambda L=length: draft(ids[:L], draft.new_cache(), last=1)
+    times: dict = {key: [] for key in [*probes, ("draft_cold", 1)]}
+    # round-robin over every point, so a slow spell of a shared machine hits all of them alike and the ratios the
+    # cost model uses (c, t(n)/t(1)) stay steady; the median of each point is kept
+    for r in tqdm(range(warmup + repeats), desc="cost profile", unit="round", disable=not progress):
+        for key, fn in probes.items():
+            t = clock()
+            fn()
+            if r >= warmup:
+                times[key].append(clock() - t)
+        cold = cold_draft()
+        if r >= warmup:
+            times[("draft_cold", 1)].append(cold)
+    ms = {key: 1000 * statistics.median(v) for key, v in times.items()}
+    draft_ms = [ms[("draft", 1)], ms[("draft", 2)]]
+    draft_cold = ms[("draft_cold", 1)]
+    target_ms = [ms[("target", n)] for n in range(1, max_n + 1)]
+    pre_t = [ms[("prefill_target", L)] for L in lengths]
+    pre_d = [ms[("prefill_draft", L)] for L in lengths]
     return CostProfile(key=profile_key(pair, settings), draft_ms=draft_ms, target_ms=target_ms,
                        prefill_lengths=lengths, prefill_target_ms=pre_t, prefill_draft_ms=pre_d,
-                       context=int(settings.context), repeats=repeats,
+                       context=int(settings.context), repeats=repeats, draft_cold_ms=draft_cold,
                        date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
 
 
@@ -248,7 +255,7 @@ def modeled_ms(row: dict, prof: CostProfile) -> float:
 
     Target-only: a prefill of the prompt, then one 1-token step per further token. Speculative: both prefills
     (the target's first call also verifies the first round, so it runs prompt + k₁ tokens), one target pass over
-    k+1 tokens per later round, one draft step per further draft call. transformers' loop (no per-round record)
+    k+1 tokens per later round, one draft step per further draft call — the first of each round cold. transformers' loop (no per-round record)
     is costed at its mean round length.
     """
     prompt = int(row.get("prompt_tokens") or prof.context)
@@ -262,4 +269,8 @@ def modeled_ms(row: dict, prof: CostProfile) -> float:
     else:
         mean_k = row.get("drafted", 0) / max(tcalls, 1)
         target = prof.prefill_target(prompt + mean_k) + (tcalls - 1) * prof.target(mean_k + 1)
-    return float(target + prof.prefill_draft(prompt) + max(dcalls - 1, 0) * prof.draft(1))
+    # the first draft call of each later round runs cold (after a target pass); the rest warm
+    cold = sum(1 for k, _ in rounds[1:] if k > 0) if rounds else max(tcalls - 1, 0)
+    cold = min(cold, max(dcalls - 1, 0))
+    t_cold = prof.draft_cold_ms if prof.draft_cold_ms is not None else prof.draft(1)
+    return float(target + prof.prefill_draft(prompt) + cold * t_cold + (max(dcalls - 1, 0) - cold) * prof.draft(1))

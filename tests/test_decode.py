@@ -67,6 +67,7 @@ def exact_policies(pair):
     pols += [build_policy("heuristic", {}), build_policy("oracle", {}), build_policy("svip", {}),
              build_policy("adaedl", {}), build_policy("svip", {"h": 0.9, "max_len": 12})]
     pols += [build_policy("max_confidence", {"adapt": a}) for a in ("none", "ema", "roc")]
+    pols += [build_policy("expected_value", {"score": s}, pair=pair) for s in ("max_q", "neg_entropy")]
     pols += [Learned(make_head(pair, "disco")), Learned(make_head(pair, "specdecpp"), threshold=0.3)]
     pols.append(Sprinter(FixedVerifier(pair, 0.0)))  # a verifier that rejects everything = exact verification
     return pols

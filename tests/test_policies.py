@@ -155,3 +155,65 @@ def test_bad_specs_give_one_clear_error():
         build_policy("svip", {"hh": 1})
     with pytest.raises(UserError, match="not found"):
         build_policy("learned:/nonexistent/head.ckpt")
+
+
+# ------------------------------------------------------------------------------------------- expected-value rule
+
+
+def ev_profile(c=0.15, slope=0.05):
+    from models.cost import CostProfile
+
+    return CostProfile(key={}, draft_ms=[c, c], target_ms=[1 + slope * i for i in range(20)], prefill_lengths=[1],
+                       prefill_target_ms=[1.0], prefill_draft_ms=[c], context=1, repeats=1)
+
+
+def best_k(a: float, prof, max_len=16) -> int:
+    """The round length that maximises E[tokens] ÷ time for a constant acceptance probability a (brute force)."""
+    def rate(k):
+        tokens = 1 + sum(a ** j for j in range(1, k + 1))
+        return tokens / (k * prof.cost_ratio + float(prof.verify_ratio(k + 1)))
+    return max(range(1, max_len + 1), key=rate)
+
+
+@pytest.mark.parametrize("a", [0.3, 0.6, 0.8, 0.9, 0.97])
+@pytest.mark.parametrize("slope", [0.0, 0.05, 0.3])
+def test_expected_value_rule_drafts_the_rate_optimal_length(a, slope):
+    """With a constant calibrated acceptance a, the greedy rule stops at the length a brute-force search over K
+    finds best (the rate E/T is unimodal in K there); a steeper verification curve shortens rounds."""
+    from decode.policies import ExpectedValueRule
+
+    prof = ev_profile(slope=slope)
+    rule = ExpectedValueRule(prof, 16)
+    k = 1
+    while k < 16 and not rule.stop(a):
+        k += 1
+    assert k == best_k(a, prof)
+
+
+def test_expected_value_policy_reads_score_and_profile():
+    from decode.policies import ExpectedValue
+
+    with pytest.raises(UserError, match="cost profile"):
+        ExpectedValue()
+    with pytest.raises(UserError, match="max_q or neg_entropy"):
+        ExpectedValue(score="tvd", profile=ev_profile())
+    confident = torch.tensor([0.99] + [0.01 / 49] * 49)
+    unsure = torch.full((50,), 1 / 50)
+    pol = ExpectedValue(profile=ev_profile())
+    assert not pol.should_stop(step(confident, pos_in_round=0))
+    assert pol.should_stop(step(unsure, pos_in_round=1))
+    # neg_entropy with a calibration that maps every entropy to a high probability keeps drafting
+    pol = ExpectedValue(score="neg_entropy", a=0.0, b=4.0, profile=ev_profile())
+    assert not any(pol.should_stop(step(unsure, pos_in_round=j)) for j in range(5))
+    assert pol.describe()["score"] == "neg_entropy"
+
+
+def test_learned_head_under_the_expected_value_rule(tiny_pair):
+    """`policy.learned.rule=expected_value` stops by the same rule on the head's P(accept)."""
+    import tests.test_decode as td
+
+    bundle = td.make_head(tiny_pair, "disco")
+    pol = Learned(bundle, rule="expected_value", profile=ev_profile())
+    assert pol.describe()["rule"] == "expected_value"
+    with pytest.raises(UserError, match="threshold or expected_value"):
+        Learned(bundle, rule="sometimes")
