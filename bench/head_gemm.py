@@ -3,7 +3,8 @@
     python bench/head_gemm.py [--pair smollm2_135m] [--threads 2] [--repeats 40]
 
 1. The LM head's product at the default pair's shape (49,152 × 576) for n = 1..9 rows: torch's `F.linear(h, W)`
-   against `models.lm_head.project` (W @ hᵀ, one row padded to two), in float32 and bfloat16.
+   against `models.lm_head.project` (W @ hᵀ, one row padded to two), in float32 and bfloat16; and the target's
+   layer products (576×576, 192×576, 1536×576, 576×1536) in float32, where the same cliff shows.
 2. The target's cost curve t(n)/t(1) in float32 (models.cost.measure, the loop's own calls) with torch's product
    ("before") and with `project` ("after"); and bf16 for reference.
 Writes bench/results/head_gemm.json (one entry per machine) and head_gemm.md.
@@ -30,12 +31,16 @@ from models.cost import DEFAULTS, machine, measure  # noqa: E402
 OUT = REPO / "bench" / "results"
 
 
-def product_times(dtype: torch.dtype, repeats: int) -> dict:
-    w = torch.randn(49152, 576, dtype=dtype)
+SHAPES = {"lm head 49152x576": (49152, 576), "q/o 576x576": (576, 576), "k/v 192x576": (192, 576),
+          "mlp up 1536x576": (1536, 576), "mlp down 576x1536": (576, 1536)}
+
+
+def product_times(dtype: torch.dtype, repeats: int, shape=(49152, 576)) -> dict:
+    w = torch.randn(*shape, dtype=dtype)
     fns = {"F.linear": lambda x: torch.nn.functional.linear(x, w), "project": lambda x: lm_head.project(x, w)}
     out = {}
     for n in range(1, 10):
-        x = torch.randn(n, 576, dtype=dtype)
+        x = torch.randn(n, shape[1], dtype=dtype)
         ts = {k: [] for k in fns}
         for f in fns.values():
             for _ in range(3):
@@ -81,6 +86,8 @@ def main() -> None:
              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
              "lm_head_ms": {str(d).replace("torch.", ""): product_times(d, args.repeats)
                             for d in (torch.float32, torch.bfloat16)},
+             "body_ms": {name: product_times(torch.float32, args.repeats * 4, shape)
+                         for name, shape in SHAPES.items() if not name.startswith("lm head")},
              "target_curve": curves(args.pair, max(args.repeats // 2, 10))}
     path = OUT / "head_gemm.json"
     data = json.loads(path.read_text()) if path.is_file() else {}
@@ -97,6 +104,14 @@ def main() -> None:
             for form in ("F.linear", "project"):
                 lines.append(f"| {dt} | {form} | " + " | ".join(f"{rows[str(n)][form]:.1f}" if str(n) in rows
                                                                else f"{rows[n][form]:.1f}" for n in range(1, 10)) + " |")
+        if e.get("body_ms"):
+            lines += ["", "The target's layer products in float32 (µs), F.linear / project — the same small-row cliff, "
+                      "which `project` does not cure there:", "",
+                      "| product | " + " | ".join(f"n={n}" for n in range(1, 10)) + " |", "|---|" + "---|" * 9]
+            for name, rows in e["body_ms"].items():
+                lines.append(f"| {name} | " + " | ".join(
+                    f"{1000 * rows[str(n) if str(n) in rows else n]['F.linear']:.0f} / "
+                    f"{1000 * rows[str(n) if str(n) in rows else n]['project']:.0f}" for n in range(1, 10)) + " |")
         lines += ["", "Target pass over n tokens ÷ one target step (models.cost, the loop's own calls):", "",
                   "| setting | t(1) ms | draft ms | c | " + " | ".join(f"n={n}" for n in range(2, 10)) + " |",
                   "|---|---|---|---|" + "---|" * 8]

@@ -16,7 +16,6 @@ import itertools
 import json
 import logging
 import os
-import platform
 import tempfile
 from dataclasses import dataclass
 from datetime import datetime, timezone
