@@ -13,6 +13,17 @@ from omegaconf import OmegaConf
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models on a shared 2-core machine run fastest single-threaded (modules opt in with pytestmark)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def tiny_cfg():
     return OmegaConf.load(REPO / "conf" / "pair" / "tiny_random.yaml")

@@ -19,13 +19,7 @@ from models.features import FeatureSpec, draft_probs, entropy, topk_probs
 PROMPTS = ["def add(a, b):\n    return", "The quick brown fox", "x = [i * i for i in range(10)]\nprint("]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models on a shared 2-core machine run fastest single-threaded."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def ids_of(pair, text):

@@ -17,13 +17,7 @@ from decode.policies import build_policy
 from models.cost import CostProfile, get_profile, modeled_ms
 from models.features import draft_probs
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models on a shared 2-core machine run fastest single-threaded."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 SMALL = {"max_n": 4, "context": 16, "prefill_lengths": [8, 16], "repeats": 2, "warmup": 1}
