@@ -255,8 +255,8 @@ def modeled_ms(row: dict, prof: CostProfile) -> float:
 
     Target-only: a prefill of the prompt, then one 1-token step per further token. Speculative: both prefills
     (the target's first call also verifies the first round, so it runs prompt + k₁ tokens), one target pass over
-    k+1 tokens per later round, one draft step per further draft call — the first of each round cold. transformers' loop (no per-round record)
-    is costed at its mean round length.
+    k+1 tokens per later round, one draft step per further draft call — the first of each round cold.
+    transformers' loop (no per-round record) is costed at its mean round length.
     """
     prompt = int(row.get("prompt_tokens") or prof.context)
     tcalls, dcalls = int(row["target_calls"]), int(row["draft_calls"])
