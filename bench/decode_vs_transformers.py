@@ -29,7 +29,7 @@ from data_gen.prompts import load_prompts  # noqa: E402
 from decode.loop import autoregressive, speculative  # noqa: E402
 from decode.metrics import agreement  # noqa: E402
 from decode.policies import Constant  # noqa: E402
-from decode.runner import eos_ids, tokenize_prompts  # noqa: E402
+from decode.runner import tokenize_prompts  # noqa: E402
 from models.pair import load_pair  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
@@ -75,7 +75,7 @@ def main() -> None:
     dataset = OmegaConf.load(REPO / "conf" / "dataset" / f"{args.dataset}.yaml")
     prompts = load_prompts(dataset, args.split, args.limit)
     ids = tokenize_prompts(pair, prompts, args.max_new_tokens)
-    eos = eos_ids(pair)
+    eos = pair.eos_ids
 
     # the layer-subset draft shares modules with the target; give transformers its own copy so nothing is shared
     assistant = copy.deepcopy(pair.draft)

@@ -56,19 +56,6 @@ def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_max(probs.shape[-1] - 1)
 
 
-def eos_ids(pair) -> set[int]:
-    """Every id that ends a continuation: the tokenizer's EOS plus the generation config's (may be a list)."""
-    ids = set()
-    if pair.tokenizer.eos_token_id is not None:
-        ids.add(int(pair.tokenizer.eos_token_id))
-    gen_eos = getattr(getattr(pair.target, "generation_config", None), "eos_token_id", None)
-    if isinstance(gen_eos, int):
-        ids.add(gen_eos)
-    elif gen_eos:
-        ids.update(int(i) for i in gen_eos)
-    return ids
-
-
 def _left_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(ids, attention mask, position ids) for left-padded sequences; positions count real tokens only."""
     width = max(len(s) for s in seqs)
@@ -115,7 +102,7 @@ def rollout(pair, items: list[Item], trace_cfg, step_draft: bool) -> Rollout:
     max_new = int(trace_cfg.max_new_tokens)
     mix_share = float(trace_cfg.get("mix_draft_share", 0.5))
     seed = int(trace_cfg.get("seed", 0))
-    stop = eos_ids(pair)
+    stop = pair.eos_ids
     pad_id = pair.tokenizer.pad_token_id
     gens = [prompt_generator(seed, it.prompt_id, "rollout") for it in items]
     ids, mask, pos = _left_pad([it.prefix for it in items], pad_id, device)

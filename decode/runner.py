@@ -41,13 +41,6 @@ class Method:
     params: dict  # constructor parameters
 
 
-def eos_ids(pair) -> set[int]:
-    ids = {pair.tokenizer.eos_token_id}
-    gen = getattr(pair.target.generation_config, "eos_token_id", None)
-    ids.update(gen if isinstance(gen, (list, tuple)) else [gen])
-    return {int(i) for i in ids if i is not None}
-
-
 def check_settings(cfg: DictConfig) -> None:
     """Everything the user can get wrong that needs no model: fail before loading anything."""
     if int(cfg.max_new_tokens) <= 0:
@@ -165,7 +158,7 @@ def run_split(cfg: DictConfig, pair, split: str, methods: list[Method], profile,
     max_new, temp, top_p, seed = int(cfg.max_new_tokens), float(cfg.temperature), float(cfg.top_p), int(cfg.seed)
     greedy = temp == 0
     ids = tokenize_prompts(pair, prompts, max_new)
-    eos = eos_ids(pair)
+    eos = pair.eos_ids
 
     def fresh():  # adaptive state (heuristic K, AdaEDL λ) must not carry the warm-up into the run
         return {m.key: build_policy(m.spec, m.params, pair=pair, profile=profile) for m in methods}

@@ -64,6 +64,17 @@ class Pair:
     def pair_id(self) -> str:
         return self.name
 
+    @property
+    def eos_ids(self) -> set[int]:
+        return eos_ids(self.target, self.tokenizer)
+
+
+def eos_ids(model, tokenizer) -> set[int]:
+    """Every id that ends a continuation: the tokenizer's EOS plus the generation config's (an id or a list)."""
+    gen = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = [tokenizer.eos_token_id, *(gen if isinstance(gen, (list, tuple)) else [gen])]
+    return {int(i) for i in ids if i is not None}
+
 
 # ---------------------------------------------------------------------------------------------------------- devices
 
@@ -354,9 +365,7 @@ def reduce_draft_vocab(draft, tokenizer, src: DictConfig, vocab: int):
         raise UserError("draft.vocab_subset needs draft.vocab_freq (a file from `python -m train.vocab_subset`)")
     path = Path(str(src.vocab_freq))
     freq = read_frequencies(path if path.is_absolute() else REPO_ROOT / path)
-    always = set(getattr(tokenizer, "all_special_ids", []) or [])
-    gen_eos = getattr(draft.generation_config, "eos_token_id", None)
-    always.update(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos] if gen_eos is not None else [])
+    always = set(getattr(tokenizer, "all_special_ids", []) or []) | eos_ids(draft, tokenizer)
     ids = subset_ids(freq, int(src.vocab_subset), always, vocab)
     head = draft.get_output_embeddings()
     draft.set_output_embeddings(SubsetHead(head.weight[:vocab], ids.to(head.weight.device), vocab))

@@ -355,7 +355,7 @@ def test_real_mbpp_greedy_lossless_constant_and_svip():
     from omegaconf import OmegaConf
 
     from data_gen.prompts import load_prompts
-    from decode.runner import eos_ids, tokenize_prompts
+    from decode.runner import tokenize_prompts
     from models.pair import load_pair
     from utils.cli import CONF_DIR
 
@@ -365,7 +365,7 @@ def test_real_mbpp_greedy_lossless_constant_and_svip():
     pair = load_pair(cfg)
     prompts = load_prompts(OmegaConf.load(CONF_DIR / "dataset" / "mbpp.yaml"), "test", 20)
     ids = tokenize_prompts(pair, prompts, 16)
-    eos = eos_ids(pair)
+    eos = pair.eos_ids
     bad = []
     for p, x in zip(prompts, ids):
         ref = autoregressive(pair, x, 16, eos=eos)

@@ -59,7 +59,6 @@ class Recorder:
 
 def test_decode_rows_equal_trace_rows(plus_traces, tiny_pair):
     from data_gen.store import load_traces
-    from data_gen.traces import eos_ids
     from decode.loop import autoregressive, speculative
     from models.features import GROUPS, FeatureSpec, continuation_starts, features_from_columns, needed_columns
     from train.datamodule import trace_columns
@@ -80,8 +79,8 @@ def test_decode_rows_equal_trace_rows(plus_traces, tiny_pair):
     for a, b in zip(starts, ends):
         prompt = [int(t) for t in cols["prompt_tokens"][a]]
         rec = Recorder(spec)
-        res = speculative(tiny_pair, prompt, rec, max_new_tokens=NEW, eos=eos_ids(tiny_pair))
-        target = autoregressive(tiny_pair, prompt, NEW, eos=eos_ids(tiny_pair)).tokens
+        res = speculative(tiny_pair, prompt, rec, max_new_tokens=NEW, eos=tiny_pair.eos_ids)
+        target = autoregressive(tiny_pair, prompt, NEW, eos=tiny_pair.eos_ids).tokens
         assert res.tokens == target == cols["context_token"][a:b].tolist()  # lossless, and the trace's path
         rejected_rounds += sum(n < k for k, n in rec.rounds)
         for pos, row in rec.rows.items():

@@ -142,14 +142,12 @@ def test_subset_draft_scores_only_its_tokens(tiny_cfg, tmp_path):
 
 
 def test_subset_draft_is_lossless_greedy(tiny_cfg, tmp_path):
-    from decode.runner import eos_ids
-
     pair = subset_pair(tiny_cfg, tmp_path, 12)
     for text in ("def add(a, b):\n    return", "The quick brown fox"):
         ids = pair.tokenizer(text)["input_ids"]
-        ref = autoregressive(pair, ids, 24, eos=eos_ids(pair))
+        ref = autoregressive(pair, ids, 24, eos=pair.eos_ids)
         for name in ("constant", "svip", "max_confidence"):
-            res = speculative(pair, ids, build_policy(name, {}), 24, eos=eos_ids(pair))
+            res = speculative(pair, ids, build_policy(name, {}), 24, eos=pair.eos_ids)
             assert res.tokens == ref.tokens, name
 
 

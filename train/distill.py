@@ -41,7 +41,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from eval.theory import best_gamma
-from models.pair import STUDENT_META, Pair, cache_root, _decoder_parts, layer_subset, load_pair, load_student
+from models.pair import STUDENT_META, Pair, cache_root, eos_ids, _decoder_parts, layer_subset, load_pair, load_student
 from utils.cli import UserError, check_name, hydra_entry
 
 log = logging.getLogger(__name__)
@@ -93,12 +93,6 @@ def save_student(student, path: Path, info: dict, dtype: torch.dtype) -> Path:
 # --------------------------------------------------------------------------------------------------------- the data
 
 
-def _eos_ids(model, tokenizer) -> set[int]:
-    eos = getattr(model.generation_config, "eos_token_id", None)
-    eos = eos if isinstance(eos, list) else [eos]
-    return {int(e) for e in eos + [tokenizer.eos_token_id] if e is not None}
-
-
 def _topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     probs = torch.softmax(logits.float(), dim=-1)
     vals, idx = probs.topk(min(k, probs.shape[-1]), dim=-1)
@@ -118,7 +112,7 @@ def generate_continuations(pair: Pair, texts: list[str], max_new_tokens: int, ba
     enc = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     enc = [e for e in enc if 0 < len(e) <= max_len - max_new_tokens]
     order = sorted(range(len(enc)), key=lambda i: len(enc[i]))
-    eos = _eos_ids(target, tok)
+    eos = eos_ids(target, tok)
     pad = tok.pad_token_id
     torch.manual_seed(seed)
     out = []
