@@ -189,7 +189,7 @@ class ExpectedValueRule:
 
 
 def platt(x: float, a: float, b: float) -> float:
-    """σ(a·x + b): a calibration map fitted on validation traces (eval.calibrate)."""
+    """σ(a·x + b): the calibration map of a training-free score (a head carries its own, models.heads)."""
     z = a * x + b
     return 1.0 / (1.0 + math.exp(-z)) if z > -60 else 0.0
 
@@ -198,7 +198,8 @@ class ExpectedValue(StopPolicy):
     """A training-free score, calibrated to P(accept) on validation traces, under the expected-value stop rule.
 
     `score`: `max_q` (the draft's max probability; x = logit(max q)) or `neg_entropy` (x = −H_q, SVIP's and
-    AdaEDL's signal). P(accept) = σ(a·x + b) with (a, b) from `python -m eval.calibrate` (conf/policy/expected_value.yaml).
+    AdaEDL's signal). P(accept) = σ(a·x + b), (a, b) set in conf/policy/expected_value.yaml — a = 1/T and b = the bias
+    that `models.heads.fit_calibration` fits for a logit x on validation rows; a=1, b=0 reads max q as P(accept).
     """
 
     name = "expected_value"
@@ -328,12 +329,7 @@ class Learned(StopPolicy):
     def __init__(self, bundle, threshold: float | None = None, max_len: int = 40, name: str | None = None,
                  rule: str = "auto", profile=None):
         super().__init__(max_len)
-        if rule not in ("auto", "threshold", "expected_value"):
-            raise UserError(f"policy.learned.rule must be auto, threshold or expected_value, got '{rule}'")
-        if rule == "auto":  # out of the box: a calibrated P(accept) needs no tuned threshold, a given threshold wins
-            calibrated = (getattr(bundle, "calibration", None) or {}).get("mode", "none") != "none"
-            rule = "expected_value" if (calibrated and threshold is None and not self.approximate
-                                        and bundle.kind != "specdecpp") else "threshold"
+        rule = self.resolve_rule(bundle, threshold, rule)
         self.rule = ExpectedValueRule(profile, self.max_len) if rule == "expected_value" else None
         self.bundle = bundle
         self.kind = bundle.kind
@@ -352,6 +348,18 @@ class Learned(StopPolicy):
         # the head is a few small matrices on the draft's device, run as bare tensor ops (HeadBundle.scorer)
         self.score = bundle.scorer()
         self._buf = None  # DISCO features, reused across drafted tokens
+
+    @classmethod
+    def resolve_rule(cls, bundle, threshold=None, rule: str = "auto") -> str:
+        """`auto` → expected_value for a calibrated DISCO-style head given no threshold (its P(accept) needs no tuned
+        threshold: the out-of-the-box rule), else threshold; an explicit rule is checked and kept."""
+        if rule not in ("auto", "threshold", "expected_value"):
+            raise UserError(f"policy.learned.rule must be auto, threshold or expected_value, got '{rule}'")
+        if rule != "auto":
+            return rule
+        calibrated = (getattr(bundle, "calibration", None) or {}).get("mode", "none") != "none"
+        use_ev = calibrated and threshold is None and not cls.approximate and bundle.kind != "specdecpp"
+        return "expected_value" if use_ev else "threshold"
 
     def reset(self, **ctx):
         self._survive = 1.0
@@ -438,11 +446,17 @@ def build_policy(spec: str, params: dict | None = None, pair=None, ckpt: str | N
     """A policy from its spec (`svip`, `learned:PATH`) and its params (conf/policy/<name>.yaml + overrides).
     `profile` (models.cost) is handed to the policies whose stop rule reads the cost curve."""
     name, path = parse_spec(spec)
-    wants_profile = name in ("expected_value", "learned")
-    if wants_profile and profile is None and pair is not None:
-        from models.cost import get_profile
 
-        profile = get_profile(pair)  # cached per machine
+    def with_profile(wanted: bool) -> dict:  # the profile only for a rule that reads it; measured once, then cached
+        nonlocal profile
+        if not wanted:
+            return params
+        if profile is None and pair is not None:
+            from models.cost import get_profile
+
+            profile = get_profile(pair)
+        return {**params, "profile": profile}
+
     if name == "target":
         raise UserError("'target' is target-only decoding, not a stop policy")
     params = {k: v for k, v in dict(params or {}).items() if k not in ("ckpt", "_name")}
@@ -466,15 +480,12 @@ def build_policy(spec: str, params: dict | None = None, pair=None, ckpt: str | N
         if pair is not None:
             bundle.check_pair(pair)
             bundle.head.to(pair.device)  # features stay on the models' device: no copy per drafted token
-        if wants_profile:
-            params["profile"] = profile
+        wanted = cls.resolve_rule(bundle, params.get("threshold"), params.get("rule", "auto")) == "expected_value"
         try:
-            return cls(bundle, **params)
+            return cls(bundle, **with_profile(wanted))
         except TypeError as err:
             raise UserError(f"bad parameter for policy {name}: {err}") from None
-    if wants_profile:
-        params["profile"] = profile
     try:
-        return cls(**params)
+        return cls(**with_profile(cls is ExpectedValue))
     except TypeError as err:
         raise UserError(f"bad parameter for policy {name}: {err}; see conf/policy/{name}.yaml") from None
