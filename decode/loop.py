@@ -83,10 +83,10 @@ def autoregressive(pair, prompt_ids: list[int], max_new_tokens: int, temperature
     return res
 
 
-def _verify_stats(logits: torch.Tensor, qs: list, k: int, n: int, temperature: float, top_p: float) -> VerifyStats:
-    """models.features.VerifyStats of one verification: p (as traces define it) at the last verified position n, and
-    the mean TVD(p, q) over the drafted positions up to the first rejection (0..min(n, k − 1))."""
-    p = draft_probs(logits[: n + 1], temperature, top_p)
+def _verify_stats(p: torch.Tensor, qs: list, k: int, n: int) -> VerifyStats:
+    """models.features.VerifyStats of one verification from p (as traces define it) at positions 0..n: its entropy
+    and margin at the last verified position n, and the mean TVD(p, q) over the drafted positions up to the first
+    rejection (0..min(n, k − 1))."""
     m = min(n + 1, k)
     mean_tvd = float(tvd(p[:m], torch.stack(qs[:m])).mean()) if m else 0.0
     return VerifyStats(float(entropy(p[n])), float(top2_margin(p[n])), k, n, mean_tvd)
@@ -164,6 +164,7 @@ def speculative(pair, prompt_ids: list[int], policy, max_new_tokens: int, temper
         logits, _ = target(t_pending + drafted, tcache, last=k + 1)
         res.target_calls += 1
         if greedy and not approx:
+            p = None  # greedy verification needs no distribution
             n, nxt = greedy_verify(logits.argmax(-1), torch.tensor(drafted, dtype=torch.long))
         else:
             p = draft_probs(logits, temperature, top_p)
@@ -180,7 +181,8 @@ def speculative(pair, prompt_ids: list[int], policy, max_new_tokens: int, temper
         te = now()
         target_s += te - ts
         if want_vs:  # the policy's work, timed as policy time
-            vstats = _verify_stats(logits, qs, k, n, temperature, top_p)
+            p_kept = p[: n + 1] if p is not None else draft_probs(logits[: n + 1], temperature, top_p)
+            vstats = _verify_stats(p_kept, qs, k, n)
             policy_s += now() - te
 
         # exact rollback: keep the pending token + the n kept drafted tokens in each cache
