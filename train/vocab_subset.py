@@ -20,17 +20,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from utils.cli import UserError, check_name, hydra_entry
-
-
-def _prompts(dataset: str, split: str, limit):
-    from data_gen.prompts import load_prompts
-
-    if split == "test":
-        raise UserError(f"vocab_subset counts must not use a test split (dataset {dataset}); use train or prompt")
-    return load_prompts(OmegaConf.load(check_name("dataset", dataset)), split, None if limit is None else int(limit))
+from utils.cli import hydra_entry
 
 
 def _strings(x) -> list[str]:
@@ -44,16 +36,14 @@ def _strings(x) -> list[str]:
 
 def count_tokens(pair, cfg: DictConfig) -> tuple[Counter, list[dict]]:
     """Token counts over the target's continuations and the human text the config names."""
-    from data_gen.prompts import render
     from models.pair import cache_root
-    from train.distill import _cached, _key, generate_continuations
+    from train.distill import _cached, _key, _prompts, generate_continuations
 
     counts: Counter = Counter()
     sources = []
     g = cfg.generate
     for src in g.sources:
-        prompts = _prompts(src.dataset, src.split, src.get("limit"))
-        texts = [render(p, pair.tokenizer, pair.chat_template) for p in prompts]
+        prompts, texts = _prompts(pair, src.dataset, src.split, src.get("limit"))  # never a test split
         key = _key(pair.pair_id, pair.tokenizer_hash, str(pair.dtype), src.dataset, src.split, src.get("limit"),
                    int(g.max_new_tokens), int(cfg.seed))
         items = _cached(cache_root(pair.cfg) / "vocab_subset" / f"gen-{src.dataset}-{src.split}-{key}.pt",
@@ -69,7 +59,7 @@ def count_tokens(pair, cfg: DictConfig) -> tuple[Counter, list[dict]]:
                         "tokens": n})
     for src in cfg.text:
         n = 0
-        for p in _prompts(src.dataset, src.split, src.get("limit")):
+        for p in _prompts(pair, src.dataset, src.split, src.get("limit"))[0]:
             for text in [p.text, *_strings(p.reference)]:
                 ids = pair.tokenizer(text, add_special_tokens=False)["input_ids"]
                 counts.update(ids)
