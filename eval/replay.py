@@ -46,7 +46,7 @@ from decode.metrics import cost_model_speedup, oracle_gap_closed, per_position
 from models.cost import CostProfile
 from decode.policies import StopPolicy, build_policy, parse_spec
 from decode.runner import Method, choose, methods_from_cfg, tune_grid
-from models.features import DraftStep, continuation_starts
+from models.features import DraftStep, VerifyStats, continuation_starts
 from utils.cli import UserError, hydra_entry, output_dir
 
 NOT_REPLAYED = {"hf_assisted": "runs transformers' own loop", "sprinter": "approximate verification (lossy)"}
@@ -54,17 +54,35 @@ NOT_REPLAYED = {"hf_assisted": "runs transformers' own loop", "sprinter": "appro
 
 @dataclass
 class Continuation:
-    """One greedy continuation of a trace: per-row draft features and the target's tokens."""
+    """One greedy continuation of a trace: per-row draft features, the target's tokens, and (when the trace has them)
+    what a disco_plus head reads: the prompt and context tokens and the target's per-row statistics."""
 
     topk: torch.Tensor  # (n, k) draft top-k probabilities
     entropy: torch.Tensor  # (n,)
     hidden: torch.Tensor | None  # (n, d) or None
     draft_token: np.ndarray
     target_token: np.ndarray
+    prompt_id: str = ""
+    prompt: list[int] | None = None  # prompt token ids
+    context_token: np.ndarray | None = None  # the continuation's tokens (the target's greedy tokens)
+    target_entropy: np.ndarray | None = None  # H_p, top-2 margin of p and TVD(p, q) per row
+    target_margin: np.ndarray | None = None
+    tvd: np.ndarray | None = None
 
     @property
     def accepted(self) -> np.ndarray:
         return self.draft_token == self.target_token
+
+    def verify_stats(self, t: int, k: int, n: int) -> VerifyStats:
+        """The loop's VerifyStats (decode.loop._verify_stats) of a round that started at row t, drafted k, kept n:
+        the target produced row t + n's token, so H_p and the margin are row t + n's, TVD averaged over rows
+        t .. t + min(n + 1, k) − 1."""
+        m = min(n + 1, k)
+        mean_tvd = float(np.mean(self.tvd[t : t + m])) if m else 0.0
+        return VerifyStats(float(self.target_entropy[t + n]), float(self.target_margin[t + n]), k, n, mean_tvd)
+
+
+PLUS_TRACE_COLUMNS = ("prompt_tokens", "context_token", "target_entropy", "target_margin", "tvd")
 
 
 def load_greedy_traces(folder: Path, names: list[str]) -> tuple[dict, dict]:
@@ -85,16 +103,26 @@ def load_greedy_traces(folder: Path, names: list[str]) -> tuple[dict, dict]:
 
 def load_continuations(folder: Path) -> tuple[list[Continuation], dict, dict]:
     """A greedy target_ar trace folder as (continuations, manifest, columns)."""
-    names = ["prompt_id", "kind", "position", "draft_token", "target_token", "draft_topk", "draft_entropy", "draft_hidden"]
+    names = ["prompt_id", "kind", "position", "draft_token", "target_token", "draft_topk", "draft_entropy",
+             "draft_hidden", *PLUS_TRACE_COLUMNS]
     cols, manifest = load_greedy_traces(folder, names)
     starts = np.flatnonzero(continuation_starts(cols))
     ends = np.append(starts[1:], len(cols["position"]))
     topk = torch.tensor(cols["draft_topk"], dtype=torch.float32)
     ent = torch.tensor(cols["draft_entropy"], dtype=torch.float32)
     hid = torch.tensor(cols["draft_hidden"]).float() if "draft_hidden" in cols else None
+    plus = all(c in cols for c in PLUS_TRACE_COLUMNS)
+
+    def part(name, a, b):
+        return cols[name][a:b] if plus else None
+
     out = [Continuation(topk[a:b], ent[a:b], None if hid is None else hid[a:b],
-                        cols["draft_token"][a:b].astype(np.int64), cols["target_token"][a:b].astype(np.int64))
-           for a, b in zip(starts, ends)]
+                        cols["draft_token"][a:b].astype(np.int64), cols["target_token"][a:b].astype(np.int64),
+                        prompt_id=str(cols["prompt_id"][a]) if "prompt_id" in cols else str(i),
+                        prompt=[int(x) for x in cols["prompt_tokens"][a]] if plus else None,
+                        context_token=part("context_token", a, b), target_entropy=part("target_entropy", a, b),
+                        target_margin=part("target_margin", a, b), tvd=part("tvd", a, b))
+           for i, (a, b) in enumerate(zip(starts, ends))]
     return out, manifest, cols
 
 
@@ -145,9 +173,18 @@ def replay_one(policy: StopPolicy, cont: Continuation, synthetic=None) -> list[t
     """The rounds (drafted k, accepted n) decode.loop.speculative would run on this continuation, read off the trace.
 
     Same round structure as the loop: at most min(max_len, tokens left − 1) drafted tokens, the token that makes the
-    policy stop is drafted and verified, the target adds one token per round (correction or bonus)."""
+    policy stop is drafted and verified, the target adds one token per round (correction or bonus). A policy that
+    reads the context (prompt + committed output) or the last verification's statistics (disco_plus heads) gets
+    them as the loop builds them, from the trace's prompt, context tokens and target statistics."""
     acc = cont.accepted
     total = len(acc)
+    want_ctx = bool(getattr(policy, "needs_context", False))
+    want_vs = bool(getattr(policy, "needs_verify_stats", False))
+    if (want_ctx or want_vs) and cont.prompt is None:
+        raise UserError("this head reads the context / last verification, which these traces lack "
+                        f"({', '.join(PLUS_TRACE_COLUMNS)}); regenerate them with python -m data_gen")
+    ctx = list(cont.prompt) if want_ctx else None
+    vstats = None
     policy.reset(lookahead=cont.target_token.tolist(), synthetic=synthetic)
     rounds, t = [], 0
     while t < total:
@@ -157,7 +194,7 @@ def replay_one(policy: StopPolicy, cont: Continuation, synthetic=None) -> list[t
             i = t + j
             step = DraftStep(probs=cont.topk[i], token=int(cont.draft_token[i]),
                              hidden=None if cont.hidden is None else cont.hidden[i], position_in_round=j, position=i,
-                             _topk=cont.topk[i], _entropy=cont.entropy[i])
+                             _topk=cont.topk[i], _entropy=cont.entropy[i], context=ctx, verify=vstats)
             k += 1
             if policy.should_stop(step):
                 break
@@ -166,19 +203,35 @@ def replay_one(policy: StopPolicy, cont: Continuation, synthetic=None) -> list[t
             n += 1
         policy.observe(k, n)
         rounds.append((k, n))
+        if want_vs:
+            vstats = cont.verify_stats(t, k, n)
+        if want_ctx:
+            ctx.extend(int(x) for x in cont.context_token[t : t + n + 1])
         t += n + 1
     return rounds
 
 
-def summarize(rounds_per_cont: list[list[tuple[int, int]]], profile: CostProfile) -> dict:
-    """Cost-model numbers of one replayed method (the decode summary's definitions, decode.metrics): each
-    continuation costed like a decode row under `profile` against its target-only generation."""
-    rows = []
-    for rs in rounds_per_cont:
+def cost_rows(rounds_per_cont: list[list[tuple[int, int]]], prompt_lens: list) -> tuple[list, list]:
+    """Decode-style rows (decode.metrics) of each replayed continuation and of its target-only generation."""
+    rows, base = [], []
+    for rs, prompt in zip(rounds_per_cont, prompt_lens):
         n_tok = sum(n + 1 for _, n in rs)
         rows.append({"new_tokens": n_tok, "target_calls": len(rs), "draft_calls": sum(k for k, _ in rs),
-                     "drafted": sum(k for k, _ in rs), "rounds": rs})
-    base = [{"new_tokens": r["new_tokens"], "target_calls": r["new_tokens"], "draft_calls": 0} for r in rows]
+                     "drafted": sum(k for k, _ in rs), "rounds": rs, "prompt_tokens": prompt})
+        base.append({"new_tokens": n_tok, "target_calls": n_tok, "draft_calls": 0, "prompt_tokens": prompt})
+    return rows, base
+
+
+def summarize(rounds_per_cont: list[list[tuple[int, int]]], profile: CostProfile,
+              conts: list[Continuation] | None = None) -> dict:
+    """Cost-model numbers of one replayed method (the decode summary's definitions, decode.metrics): each
+    continuation costed like a decode row under `profile` against its target-only generation (prefills at the
+    prompt's length when `conts` carry it); `per_prompt` keeps each continuation's costs for paired bootstraps."""
+    from models.cost import modeled_ms
+
+    conts = conts or [None] * len(rounds_per_cont)
+    rows, base = cost_rows(rounds_per_cont, [len(c.prompt) if c is not None and c.prompt is not None else None
+                                             for c in conts])
     rounds = [r for rs in rounds_per_cont for r in rs]
     tokens = sum(n + 1 for _, n in rounds)
     drafted = sum(k for k, _ in rounds)
@@ -193,6 +246,10 @@ def summarize(rounds_per_cont: list[list[tuple[int, int]]], profile: CostProfile
         "per_position_acceptance": [a / v if v else None for a, v in zip(acc_pos, verified)],
         "past_rejection": sum(k > n + 1 for k, n in rounds) / len(rounds) if rounds else 0.0,
         "tokens": tokens,
+        "per_prompt": {"prompt_id": [c.prompt_id if c is not None else str(i) for i, c in enumerate(conts)],
+                       "new_tokens": [r["new_tokens"] for r in rows],
+                       "cost_ms": [modeled_ms(r, profile) for r in rows],
+                       "target_cost_ms": [modeled_ms(r, profile) for r in base]},
     }
 
 
@@ -201,11 +258,10 @@ def build(method: Method, manifest: dict, folder: Path, profile: CostProfile | N
     pol = build_policy(method.spec, method.params, profile=profile)
     if path:
         from eval.__main__ import check_compatible
+        from models.features import needed_columns
 
-        if pol.bundle.spec.kind == "disco_plus":
-            raise UserError(f"{method.spec}: the replay does not feed disco_plus heads their context and verification "
-                            "statistics yet; decode them (python -m decode policies=[learned:PATH])")
-        check_compatible(pol.bundle, manifest, folder, ["draft_topk"] + (["draft_hidden"] if manifest.get("hidden_size") else []))
+        wanted = [c for c in needed_columns(pol.bundle.spec) if c not in ("prompt_id", "kind", "position")]
+        check_compatible(pol.bundle, manifest, folder, wanted)
     return pol
 
 
@@ -215,7 +271,7 @@ def replay(methods: list[Method], conts, manifest, folder, profile: CostProfile,
     out = {}
     for m in tqdm(methods, desc=desc, unit="method", leave=False):
         pol = build(m, manifest, folder, profile)
-        out[m.key] = summarize([replay_one(pol, cont) for cont in conts], profile)
+        out[m.key] = summarize([replay_one(pol, cont) for cont in conts], profile, conts)
         if cols is not None:
             out[m.key]["score_auroc"] = score_auroc(pol, cols)
     return out
@@ -231,7 +287,7 @@ def replay_synthetic(aurocs, conts_tune, conts_eval, profile: CostProfile, seed:
 
         def run(th, conts, scores):
             pol = SyntheticHead(th)
-            return summarize([replay_one(pol, cont, sc) for cont, sc in zip(conts, scores)], profile)
+            return summarize([replay_one(pol, cont, sc) for cont, sc in zip(conts, scores)], profile, conts)
 
         tuned = {th: run(th, conts_tune, s_tune)["cost_model_speedup"] for th in grid}
         best = max(tuned, key=tuned.get)
@@ -423,7 +479,14 @@ def run(cfg: DictConfig) -> dict:
         result["compare"] = compare(table, Path(str(rc.compare)))
     out = output_dir(rc.get("out_dir"))
     out.mkdir(parents=True, exist_ok=True)
+    per_prompt = {k: r.pop("per_prompt") for k, r in table.items() if "per_prompt" in r}
     (out / "replay.json").write_text(json.dumps(result, indent=1) + "\n")
+    # one row per (method, eval continuation): what eval.bar's paired bootstrap resamples
+    with open(out / "prompts.jsonl", "w") as fh:
+        for key, pp in per_prompt.items():
+            for i, pid in enumerate(pp["prompt_id"]):
+                fh.write(json.dumps({"method": key, "prompt_id": pid, "new_tokens": pp["new_tokens"][i],
+                                     "cost_ms": pp["cost_ms"][i], "target_cost_ms": pp["target_cost_ms"][i]}) + "\n")
     (out / "replay.md").write_text(markdown(result))
     # decode's tuned.json format: `python -m decode ... tuned=OUT/tuned.json` decodes with the replay's choices
     tuned_file = {"metric": "cost_model_speedup (eval.replay)", "split": str(rc.tune),
@@ -432,7 +495,7 @@ def run(cfg: DictConfig) -> dict:
     plot(result, out / "replay_auroc.png")
     wandb_log.log_replay(result, out)  # no-op unless logger=wandb
     print(markdown(result))
-    print(f"wrote {out / 'replay.json'}, replay.md, tuned.json{', replay_auroc.png' if aurocs else ''}")
+    print(f"wrote {out / 'replay.json'}, replay.md, prompts.jsonl, tuned.json{', replay_auroc.png' if aurocs else ''}")
     return result
 
 

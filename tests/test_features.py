@@ -153,10 +153,32 @@ def test_disco_plus_trains_calibrates_and_decodes_losslessly(tmp_path, tiny_pair
         assert bundle.spec.kind == "disco_plus" and bundle.spec.groups == ("verify", "copy", "token")
         assert bundle.calibration["mode"] == "platt" and 0 <= res["test/ece"] <= 1
         out = tmp_path / "decode"
-        dcfg = compose("decode", ["pair=tiny_random", "dataset=mbpp", "split=test", "limit=2",
+        dcfg = compose("decode", ["pair=tiny_random", "dataset=mbpp", "split=test", "limit=3",
                                   f"max_new_tokens={NEW}", "plots=false", "warmup=false",
                                   f"policies=[learned:{res['ckpt_path']}]", f"out_dir={out}"])
     decode(dcfg)
     summary = json.loads((out / "summary.json").read_text())
     row = next(v for k, v in summary.items() if k.startswith("learned"))
     assert row["lossless"] is True and row["acceptance_rate"] >= 0
+
+    # the replay feeds the head the context and verification statistics as the loop does: on the same prompts its
+    # accepted counts are the decoder's in every round, and so is its draft length where it stopped by then
+    from decode.policies import build_policy
+    from eval.replay import load_continuations, replay_one
+    from models.cost import CostProfile
+
+    profile = CostProfile.from_dict(json.loads((out / "run.json").read_text())["cost_profile"])
+    pol = build_policy(f"learned:{res['ckpt_path']}", {}, profile=profile)
+    assert pol.needs_context and pol.needs_verify_stats
+    conts, _, _ = load_continuations(next((tmp_path / "traces").glob("*--test*")))
+    rows = [json.loads(line) for line in (out / "prompts.jsonl").read_text().splitlines()]
+    decoded = [[tuple(r) for r in row["rounds"]] for row in rows if row["method"].startswith("learned")]
+    assert len(decoded) == len(conts) == 3
+    exact = 0
+    for dec, cont in zip(decoded, conts):
+        rep = replay_one(pol, cont)
+        assert [n for _, n in rep] == [n for _, n in dec]
+        for (kd, n), (kr, _) in zip(dec, rep):
+            assert (kd <= n + 1) == (kr <= n + 1) and (kd == kr or kd > n + 1)
+            exact += kd <= n + 1
+    assert exact > 0
