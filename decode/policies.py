@@ -237,11 +237,12 @@ class MaxConfidence(StopPolicy):
 
     name = "max_confidence"
 
-    def __init__(self, lam=0.4, adapt="none", max_len=40, alpha=0.9, beta1=0.5, beta2=0.9, eps=0.01):
+    def __init__(self, lam=0.4, adapt="none", max_len=40, alpha=0.9, beta1=0.5, beta2=0.9, eps=0.01, window=None):
         super().__init__(max_len)
         if adapt not in ("none", "ema", "roc"):
-            raise UserError(f"policy.max_confidence.adapt must be none, ema or roc, got '{adapt}'")
+            raise UserError(f"policy.{self.name}.adapt must be none, ema or roc, got '{adapt}'")
         self.lam0, self.lam, self.adapt = float(lam), float(lam), adapt
+        self.window = None if window is None else int(window)  # roc: drafted tokens of history kept (None: all)
         self.ema = _ThresholdEMA(float(lam), alpha, beta1, beta2, eps, self.max_len)
         self.history_conf: list[float] = []
         self.history_acc: list[int] = []
@@ -263,6 +264,8 @@ class MaxConfidence(StopPolicy):
             self.history_conf.extend(self._round[:drafted])
             self.history_acc.extend([1] * accepted + [0] * (min(drafted, len(self._round)) - accepted))
             self._round = []
+            if self.window is not None and len(self.history_acc) > self.window:
+                del self.history_conf[: -self.window], self.history_acc[: -self.window]
             if len(self.history_acc) > 5 and 0 < sum(self.history_acc) < len(self.history_acc):
                 from sklearn.metrics import roc_curve
 
@@ -271,7 +274,18 @@ class MaxConfidence(StopPolicy):
                 self.lam = float(min(thr[best], 1.0))
 
     def describe(self):
-        return {**super().describe(), "lam": self.lam0, "adapt": self.adapt}
+        return {**super().describe(), "lam": self.lam0, "adapt": self.adapt, "window": self.window}
+
+
+class OnlineROC(MaxConfidence):
+    """Online adaptation as its own row (issue 16's comparator): max-confidence whose λ is refit after every round
+    from the ROC of the last `window` drafted tokens of this run (transformers' rule: minimise FPR + 3·FNR), so it
+    sits beside the fixed-λ row in one run. `lam` is only the starting point."""
+
+    name = "online_roc"
+
+    def __init__(self, lam=0.4, adapt="roc", window=2000, **kw):
+        super().__init__(lam=lam, adapt=adapt, window=window, **kw)
 
 
 class SVIP(StopPolicy):
@@ -419,6 +433,7 @@ POLICIES = {
     "heuristic": Heuristic,
     "oracle": Oracle,
     "max_confidence": MaxConfidence,
+    "online_roc": OnlineROC,
     "svip": SVIP,
     "adaedl": AdaEDL,
     "expected_value": ExpectedValue,

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from decode.policies import (SVIP, AdaEDL, Constant, Heuristic, Learned, MaxConfidence, Oracle, Sprinter,
+from decode.policies import (SVIP, AdaEDL, Constant, Heuristic, Learned, MaxConfidence, OnlineROC, Oracle, Sprinter,
                              build_policy, parse_spec)
 from models.features import DraftStep, FeatureSpec, entropy
 from utils.cli import UserError
@@ -81,6 +81,23 @@ def test_max_confidence_fixed_and_roc():
         roc.should_stop(step(torch.tensor([max(conf_bad, 1 - conf_bad), min(conf_bad, 1 - conf_bad)])))
         roc.observe(2, 1)
     assert roc.lam != 0.4  # refit on the history
+
+
+def test_online_roc_refits_between_the_classes_over_a_window():
+    """The online comparator: λ moves to separate accepted (conf ≥ 0.7) from rejected (≤ 0.3) drafted tokens, and
+    only the last `window` tokens are remembered."""
+    pol = build_policy("online_roc", {"lam": 0.05, "window": 12})
+    assert isinstance(pol, OnlineROC) and pol.adapt == "roc" and pol.name == "online_roc"
+    for r in range(10):
+        for conf in (0.9, 0.7 + 0.01 * r, 0.3 - 0.01 * r):  # two accepted, then the rejected one
+            pol.should_stop(step(torch.tensor([conf, 1 - conf])))
+        pol.observe(3, 2)
+        assert len(pol.history_acc) <= 12
+    # λ = the lowest accepted confidence among the last 12 tokens (rounds 6-9: 0.76); over every round it would be 0.70
+    assert pol.lam == pytest.approx(0.76)
+    stop = [pol.should_stop(step(torch.tensor([c, 1 - c]))) for c in (0.55, 0.95)]
+    assert stop == [True, False]
+    assert pol.should_stop(step(torch.tensor([0.25, 0.25, 0.25, 0.25])))  # max q 0.25 < λ
 
 
 def test_adaedl_rule_and_algorithm_1():

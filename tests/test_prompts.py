@@ -19,11 +19,24 @@ def ds(name, **over):
 
 
 def test_mbpp_official_splits_and_disco_format():
-    prompts = load_prompts(ds("mbpp"))
+    prompts = load_prompts(ds("mbpp", splits="official"))
     assert Counter(p.split for p in prompts) == {"train": 374, "validation": 90, "test": 500, "prompt": 10}
     first = load_prompts(ds("mbpp"), "test")[0]
     assert first.prompt_id == "mbpp-11" and first.text.startswith('"""') and "assert " in first.text
     assert first.reference
+
+
+def test_mbpp_heads_scheme_keeps_the_distilled_prompts_out():
+    """The default scheme: heads' train/validation are official validation, official train (where the shipped draft
+    was distilled) is `distill`, test is unchanged — no prompt in two of them."""
+    official = {p.prompt_id: p.split for p in load_prompts(ds("mbpp", splits="official"))}
+    heads = {p.prompt_id: p.split for p in load_prompts(ds("mbpp"))}
+    assert Counter(heads.values()) == {"train": 60, "validation": 30, "test": 500, "distill": 374, "prompt": 10}
+    assert {official[i] for i, s in heads.items() if s in ("train", "validation")} == {"validation"}
+    assert {i for i, s in heads.items() if s == "distill"} == {i for i, s in official.items() if s == "train"}
+    assert [i for i, s in heads.items() if s == "test"] == [i for i, s in official.items() if s == "test"]
+    with pytest.raises(UserError, match="split scheme"):
+        load_prompts(ds("mbpp", splits="random"))
 
 
 def test_humaneval_164():
