@@ -343,7 +343,7 @@ class Learned(StopPolicy):
     def __init__(self, bundle, threshold: float | None = None, max_len: int = 40, name: str | None = None,
                  rule: str = "auto", profile=None):
         super().__init__(max_len)
-        rule = self.resolve_rule(bundle, threshold, rule)
+        rule, threshold = self.resolve_rule(bundle, threshold, rule)
         self.rule = ExpectedValueRule(profile, self.max_len) if rule == "expected_value" else None
         self.bundle = bundle
         self.kind = bundle.kind
@@ -364,16 +364,21 @@ class Learned(StopPolicy):
         self._buf = None  # DISCO features, reused across drafted tokens
 
     @classmethod
-    def resolve_rule(cls, bundle, threshold=None, rule: str = "auto") -> str:
-        """`auto` → expected_value for a calibrated DISCO-style head given no threshold (its P(accept) needs no tuned
-        threshold: the out-of-the-box rule), else threshold; an explicit rule is checked and kept."""
+    def resolve_rule(cls, bundle, threshold=None, rule: str = "auto") -> tuple[str, float | None]:
+        """(rule, threshold). `auto` with no threshold: the rule `python -m train` chose for speed on validation
+        (eval.replay.speed_rule, stored in the checkpoint as `decode_rule`) — the out-of-the-box rule; a checkpoint
+        without one: expected_value for a calibrated DISCO-style head, else its stored threshold. A given threshold or
+        an explicit rule is checked and kept."""
         if rule not in ("auto", "threshold", "expected_value"):
             raise UserError(f"policy.learned.rule must be auto, threshold or expected_value, got '{rule}'")
-        if rule != "auto":
-            return rule
+        if rule != "auto" or threshold is not None:
+            return ("threshold" if rule == "auto" else rule), threshold
+        stored = getattr(bundle, "decode_rule", None)
+        if stored and not cls.approximate:
+            return str(stored["rule"]), stored.get("threshold")
         calibrated = (getattr(bundle, "calibration", None) or {}).get("mode", "none") != "none"
-        use_ev = calibrated and threshold is None and not cls.approximate and bundle.kind != "specdecpp"
-        return "expected_value" if use_ev else "threshold"
+        use_ev = calibrated and not cls.approximate and bundle.kind != "specdecpp"
+        return ("expected_value" if use_ev else "threshold"), None
 
     def reset(self, **ctx):
         self._survive = 1.0
@@ -495,7 +500,7 @@ def build_policy(spec: str, params: dict | None = None, pair=None, ckpt: str | N
         if pair is not None:
             bundle.check_pair(pair)
             bundle.head.to(pair.device)  # features stay on the models' device: no copy per drafted token
-        wanted = cls.resolve_rule(bundle, params.get("threshold"), params.get("rule", "auto")) == "expected_value"
+        wanted = cls.resolve_rule(bundle, params.get("threshold"), params.get("rule", "auto"))[0] == "expected_value"
         try:
             return cls(bundle, **with_profile(wanted))
         except TypeError as err:

@@ -181,17 +181,22 @@ def sprinter_report(cols: dict, scores: np.ndarray, threshold: float, starts: np
     return out
 
 
-def baseline_auroc(cols: dict, y: np.ndarray) -> dict:
-    """AUROC of the training-free policies' scores on the same rows and labels: what the head must beat.
-    max q is max-confidence's score; −H_q is SVIP's and AdaEDL's (both stop on a monotone function of entropy)."""
-    from eval.metrics import classification_metrics
-
+def baseline_scores(cols: dict) -> dict:
+    """The training-free policies' scores per row: max q (max-confidence's) and −H_q (SVIP's and AdaEDL's: both
+    stop on a monotone function of the entropy)."""
     out = {}
     if "draft_topk" in cols:
-        out["max_q"] = classification_metrics(np.asarray(cols["draft_topk"], dtype=np.float64)[:, 0], y, 0.5)["auroc"]
+        out["max_q"] = np.asarray(cols["draft_topk"], dtype=np.float64)[:, 0]
     if "draft_entropy" in cols:
-        out["neg_entropy"] = classification_metrics(-np.asarray(cols["draft_entropy"], dtype=np.float64), y, 0.5)["auroc"]
+        out["neg_entropy"] = -np.asarray(cols["draft_entropy"], dtype=np.float64)
     return out
+
+
+def baseline_auroc(cols: dict, y: np.ndarray) -> dict:
+    """AUROC of the training-free scores on the same rows and labels: what the head must beat."""
+    from eval.metrics import classification_metrics
+
+    return {k: classification_metrics(s, y, 0.5)["auroc"] for k, s in baseline_scores(cols).items()}
 
 
 def evaluate(bundle, ds, manifest: dict, folder: Path) -> dict:
@@ -256,6 +261,7 @@ def evaluate(bundle, ds, manifest: dict, folder: Path) -> dict:
         "k_static_best": static["k_best"],
         "curves": roc_pr_points(scores, y),
         "baseline_auroc": baseline_auroc(cols, y),
+        "baseline_curves": {k: roc_pr_points(v, y) for k, v in baseline_scores(cols).items()},
     }
     if bundle.kind == "sprinter" and all(c in cols for c in ("q_draft", "p_draft", "tvd")):
         trace_cfg = (manifest.get("config") or {}).get("trace") or {}
@@ -330,6 +336,12 @@ def write_plots(reports: list[dict], names: list[str], out: Path) -> list[Path]:
     from eval import plots
 
     roc = {n: (*r["curves"]["roc"], r["auroc"]) for n, r in zip(names, reports) if "roc" in r["curves"]}
+    # the training-free scores on the first report's rows, drawn beside the heads (the same rows when one trace set)
+    first = reports[0]
+    for key, label in (("max_q", "max q (training-free)"), ("neg_entropy", "−H_q (training-free)")):
+        curve = (first.get("baseline_curves") or {}).get(key) or {}
+        if "roc" in curve:
+            roc[label] = (*curve["roc"], first["baseline_auroc"][key])
     pr = {n: (*r["curves"]["pr"], r["ap"]) for n, r in zip(names, reports) if "pr" in r["curves"]}
     rel = {n: (r["reliability"]["predicted"], r["reliability"]["observed"], r["ece"]) for n, r in zip(names, reports)}
     pos = {n: r["per_position_auroc"] for n, r in zip(names, reports)}

@@ -82,7 +82,14 @@ class Continuation:
         return VerifyStats(float(self.target_entropy[t + n]), float(self.target_margin[t + n]), k, n, mean_tvd)
 
 
-PLUS_TRACE_COLUMNS = ("prompt_tokens", "context_token", "target_entropy", "target_margin", "tvd")
+
+
+def check_greedy(manifest: dict, where) -> None:
+    """Refuse, in one line, traces that are not greedy target_ar (the only ones a replay can read rounds off)."""
+    kind, temp = manifest.get("trace_kind"), manifest.get("temperature")
+    if kind != "target_ar" or temp is None or float(temp) != 0.0:
+        raise UserError(f"{where} holds {kind} traces at temperature {temp}; this needs greedy target_ar traces "
+                        "(python -m data_gen trace=target_ar trace.temperature=0)")
 
 
 def load_greedy_traces(folder: Path, names: list[str]) -> tuple[dict, dict]:
@@ -94,18 +101,23 @@ def load_greedy_traces(folder: Path, names: list[str]) -> tuple[dict, dict]:
     if not folder.exists():
         raise UserError(f"no traces at {folder}; make them with python -m data_gen trace=target_ar split=... limit=...")
     ds, manifest = load_traces(folder)
-    kind, temp = manifest.get("trace_kind"), manifest.get("temperature")
-    if kind != "target_ar" or temp is None or float(temp) != 0.0:
-        raise UserError(f"{folder} holds {kind} traces at temperature {temp}; this needs greedy target_ar traces "
-                        "(python -m data_gen trace=target_ar trace.temperature=0)")
+    check_greedy(manifest, folder)
     return trace_columns(ds, [n for n in names if n in ds.column_names]), manifest
+
+
+PLUS_TRACE_COLUMNS = ("prompt_tokens", "context_token", "target_entropy", "target_margin", "tvd")
+CONTINUATION_COLUMNS = ["prompt_id", "kind", "position", "draft_token", "target_token", "draft_topk", "draft_entropy",
+                        "draft_hidden", *PLUS_TRACE_COLUMNS]
 
 
 def load_continuations(folder: Path) -> tuple[list[Continuation], dict, dict]:
     """A greedy target_ar trace folder as (continuations, manifest, columns)."""
-    names = ["prompt_id", "kind", "position", "draft_token", "target_token", "draft_topk", "draft_entropy",
-             "draft_hidden", *PLUS_TRACE_COLUMNS]
-    cols, manifest = load_greedy_traces(folder, names)
+    cols, manifest = load_greedy_traces(folder, CONTINUATION_COLUMNS)
+    return continuations(cols), manifest, cols
+
+
+def continuations(cols: dict) -> list[Continuation]:
+    """Trace columns (`CONTINUATION_COLUMNS` where present) split into continuations."""
     starts = np.flatnonzero(continuation_starts(cols))
     ends = np.append(starts[1:], len(cols["position"]))
     topk = torch.tensor(cols["draft_topk"], dtype=torch.float32)
@@ -123,7 +135,7 @@ def load_continuations(folder: Path) -> tuple[list[Continuation], dict, dict]:
                         context_token=part("context_token", a, b), target_entropy=part("target_entropy", a, b),
                         target_margin=part("target_margin", a, b), tvd=part("tvd", a, b))
            for i, (a, b) in enumerate(zip(starts, ends))]
-    return out, manifest, cols
+    return out
 
 
 def score_auroc(policy: StopPolicy, cols: dict) -> float | None:
@@ -263,6 +275,25 @@ def build(method: Method, manifest: dict, folder: Path, profile: CostProfile | N
         wanted = [c for c in needed_columns(pol.bundle.spec) if c not in ("prompt_id", "kind", "position")]
         check_compatible(pol.bundle, manifest, folder, wanted)
     return pol
+
+
+def speed_rule(ckpt: str | Path, conts: list[Continuation], profile: CostProfile, thresholds) -> dict:
+    """The stop rule under which a head decodes fastest on these (validation) continuations, by the cost model:
+    the expected-value rule on its calibrated P(accept) (calibrated heads only) or a threshold from `thresholds`.
+    What `python -m train` stores in the checkpoint for `learned:<ckpt>` with no tuning step (issue 16)."""
+    from models.heads import load_head
+
+    calibrated = (load_head(ckpt).calibration or {}).get("mode", "none") != "none"
+    cands = ([{"rule": "expected_value"}] if calibrated else []) + [{"rule": "threshold", "threshold": float(t)}
+                                                                     for t in thresholds]
+    speed = {}
+    for c in cands:
+        pol = build_policy(f"learned:{ckpt}", dict(c), profile=profile)
+        speed[json.dumps(c)] = summarize([replay_one(pol, x) for x in conts], profile, conts)["cost_model_speedup"]
+    best = max(speed, key=speed.get)
+    return {**json.loads(best), "cost_model_speedup": speed[best],
+            "candidates": {", ".join(f"{k}={v}" for k, v in json.loads(k).items()): v for k, v in speed.items()},
+            "profile_key": profile.key}
 
 
 def replay(methods: list[Method], conts, manifest, folder, profile: CostProfile, desc: str,

@@ -208,6 +208,7 @@ class HeadBundle:
     arch: dict = field(default_factory=dict)
     path: str | None = None
     calibration: dict = field(default_factory=lambda: {"temperature": 1.0, "bias": 0.0, "mode": "none"})
+    decode_rule: dict | None = None  # the stop rule train chose for speed on validation (eval.replay.speed_rule)
 
     @torch.no_grad()
     def logit(self, x: torch.Tensor) -> torch.Tensor:
@@ -329,4 +330,5 @@ def load_head(path: str | Path, map_location: str | torch.device = "cpu") -> Hea
         arch=dict(meta.get("arch") or {}),
         path=str(path),
         calibration=dict(meta.get("calibration") or {"temperature": 1.0, "bias": 0.0, "mode": "none"}),
+        decode_rule=meta.get("decode_rule"),
     )

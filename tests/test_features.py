@@ -152,6 +152,11 @@ def test_disco_plus_trains_calibrates_and_decodes_losslessly(tmp_path, tiny_pair
         bundle = load_head(res["ckpt_path"])
         assert bundle.spec.kind == "disco_plus" and bundle.spec.groups == ("verify", "copy", "token")
         assert bundle.calibration["mode"] == "platt" and 0 <= res["test/ece"] <= 1
+        # item 5: train chose the stop rule for speed on validation (the best of the replayed candidates) and stored
+        # it; learned:<ckpt> with no threshold decodes with it
+        sr = res["speed_rule"]
+        assert sr["cost_model_speedup"] == max(sr["candidates"].values()) and len(sr["candidates"]) == 8
+        assert bundle.decode_rule == {k: sr[k] for k in ("rule", "threshold") if k in sr}
         out = tmp_path / "decode"
         dcfg = compose("decode", ["pair=tiny_random", "dataset=mbpp", "split=test", "limit=3",
                                   f"max_new_tokens={NEW}", "plots=false", "warmup=false",
@@ -170,6 +175,8 @@ def test_disco_plus_trains_calibrates_and_decodes_losslessly(tmp_path, tiny_pair
     profile = CostProfile.from_dict(json.loads((out / "run.json").read_text())["cost_profile"])
     pol = build_policy(f"learned:{res['ckpt_path']}", {}, profile=profile)
     assert pol.needs_context and pol.needs_verify_stats
+    assert (pol.rule is not None) == (sr["rule"] == "expected_value")
+    assert sr["rule"] == "expected_value" or pol.threshold == pytest.approx(sr["threshold"])
     conts, _, _ = load_continuations(next((tmp_path / "traces").glob("*--test*")))
     rows = [json.loads(line) for line in (out / "prompts.jsonl").read_text().splitlines()]
     decoded = [[tuple(r) for r in row["rounds"]] for row in rows if row["method"].startswith("learned")]

@@ -29,6 +29,7 @@ from utils.cli import UserError, hydra_entry
 
 log = logging.getLogger("train")
 SPLITS = ("train", "validation", "test")
+BASELINE_LABELS = {"max_q": "max q", "neg_entropy": "−H_q"}  # the training-free scores a head is compared with
 
 
 def quiet_lightning() -> None:
@@ -180,8 +181,10 @@ def make_loggers(cfg: DictConfig, run_dir: Path) -> list:
 # ---------------------------------------------------------------------------------------------------------- plots
 
 
-def save_curves(points: dict, out_dir: Path, title: str) -> dict[str, Path]:
-    """ROC and PR curves as PNG files in `out_dir` (beside the checkpoint)."""
+def save_curves(points: dict, out_dir: Path, title: str, roc_baselines: dict | None = None,
+                label: str = "head") -> dict[str, Path]:
+    """ROC and PR curves as PNG files in `out_dir` (beside the checkpoint); `roc_baselines` (label → (fpr, tpr)) are
+    drawn beside the head's ROC: the training-free scores on the same rows."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -191,9 +194,13 @@ def save_curves(points: dict, out_dir: Path, title: str) -> dict[str, Path]:
     labels = {"roc": ("false positive rate", "true positive rate"), "pr": ("recall", "precision")}
     for name, (xs, ys) in points.items():
         fig, ax = plt.subplots(figsize=(4.5, 4))
-        ax.plot(xs, ys)
+        ax.plot(xs, ys, label=label)
         if name == "roc":
+            for other, (bx, by) in (roc_baselines or {}).items():
+                ax.plot(bx, by, lw=1, label=other)
             ax.plot([0, 1], [0, 1], ls="--", c="grey", lw=0.8)
+            if roc_baselines:
+                ax.legend(fontsize=7, loc="lower right")
         ax.set_xlabel(labels[name][0])
         ax.set_ylabel(labels[name][1])
         ax.set_title(f"{name.upper()}: {title}", fontsize=9)
@@ -278,6 +285,7 @@ def run(cfg: DictConfig, run_dir: Path, traces: dict | None = None, manifests: d
         trainer.test(module, datamodule=dm, ckpt_path=ckpt_path, verbose=False)
         calibrate_checkpoint(Path(ckpt_path), dm.data["validation"], str(cfg.get("calibration", "none")),
                              str(cfg.threshold_mode), float(cfg.threshold))
+        speed = store_speed_rule(Path(ckpt_path), traces["validation"], manifests["validation"], cfg.get("speed_rule"))
 
         bundle = load_head(ckpt_path)
         test = dm.data["test"]
@@ -305,11 +313,22 @@ def run(cfg: DictConfig, run_dir: Path, traces: dict | None = None, manifests: d
             "labels": labels_dict,
             "pair_id": bundle.pair_id,
             "dataset": str(cfg.dataset.name),
+            "speed_rule": speed,
             "train_rows": len(dm.data["train"]["y"]),
             "epochs": int(trainer.current_epoch),
         }
+        baselines = {}
+        if spec.kind in ("disco", "disco_plus"):  # raw features (the head normalises inside): top-1 q, then H_q at k
+            x = test["x"].numpy()
+            baselines = {"max_q": x[:, 0], "neg_entropy": -x[:, spec.k]}
+            for name, b in baselines.items():
+                results[f"test/auroc_{name}"] = classification_metrics(b, test["y"].numpy(), 0.5)["auroc"]
         points = roc_pr_points(scores, test["y"].numpy())
-        pngs = save_curves(points, Path(ckpt_path).parent, f"{cfg.get('experiment_name', bundle.kind)} ({bundle.kind})")
+        base_points = {name: roc_pr_points(b, test["y"].numpy()).get("roc") for name, b in baselines.items()}
+        pngs = save_curves(points, Path(ckpt_path).parent, f"{cfg.get('experiment_name', bundle.kind)} ({bundle.kind})",
+                           {f"{BASELINE_LABELS[n]} (AUROC {results[f'test/auroc_{n}']:.3f})": c
+                            for n, c in base_points.items() if c},
+                           f"head (AUROC {results['test/auroc']:.3f})")
         results.update({f"{k}_png": str(v) for k, v in pngs.items()})
         for lg in loggers:
             lg.log_metrics({k: v for k, v in results.items() if k.startswith("test/") and isinstance(v, (int, float))})
@@ -355,6 +374,37 @@ def calibrate_checkpoint(path: Path, val: dict, mode: str, threshold_mode: str, 
     return calib
 
 
+def store_speed_rule(path: Path, val_ds, val_manifest: dict, conf) -> dict | None:
+    """Choose the head's stop rule for speed on the validation traces (eval.replay.speed_rule: the cost model under
+    the profile the traces were made with) and store it in the checkpoint, so `learned:<ckpt>` decodes with it
+    without a tuning step. Skipped (None, with a note) for heads the replay cannot run and traces with no profile."""
+    import torch
+
+    from eval.replay import CONTINUATION_COLUMNS, continuations, speed_rule
+    from models.cost import CostProfile
+    from models.heads import CKPT_KEY, load_head
+    from train.datamodule import trace_columns
+
+    if not conf or not conf.get("thresholds"):
+        return None
+    bundle = load_head(path)
+    greedy = val_manifest.get("trace_kind") == "target_ar" and float(val_manifest.get("temperature") or 0) == 0.0
+    if bundle.kind not in ("disco", "disco_plus") or not greedy or not val_manifest.get("cost_profile"):
+        print(f"speed rule: not chosen ({bundle.kind} head, {val_manifest.get('trace_kind')} traces"
+              f"{'' if val_manifest.get('cost_profile') else ', no cost profile in the traces'}); decode uses the "
+              "stored threshold", flush=True)
+        return None
+    profile = CostProfile.from_dict(val_manifest["cost_profile"])
+    conts = continuations(trace_columns(val_ds, [c for c in CONTINUATION_COLUMNS if c in val_ds.column_names]))
+    choice = speed_rule(path, conts, profile, list(conf.thresholds))
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    ckpt[CKPT_KEY]["decode_rule"] = {k: choice[k] for k in ("rule", "threshold") if k in choice}
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(ckpt, tmp)
+    tmp.replace(path)
+    return choice
+
+
 def print_table(results: dict) -> None:
     r = results
     lab = r["labels"]
@@ -363,10 +413,16 @@ def print_table(results: dict) -> None:
           f"{100 * r['test/positive_rate']:.1f}% accepted")
     rows = [
         ("AUROC", r["test/auroc"]),
+        *[(f"AUROC of {label} (training-free, same rows)", r[f"test/auroc_{key}"])
+          for key, label in BASELINE_LABELS.items() if f"test/auroc_{key}" in r],
         ("average precision", r["test/ap"]),
         (f"F1 @ threshold {r['threshold']:.3f} ({r['threshold_mode']} on validation)", r["test/f1"]),
         (f"F1 best static length (K={r['test/k_static_best']})", r["test/f1_static_best"]),
     ]
+    sr = r.get("speed_rule")
+    if sr:
+        rule = sr["rule"] + (f" {sr['threshold']:g}" if sr.get("threshold") is not None else "")
+        rows.append((f"validation cost-model speedup, stop rule for decode: {rule}", sr["cost_model_speedup"]))
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
         print(f"  {name:<{width}}  {value:.4f}")
