@@ -265,15 +265,15 @@ def summarize(rounds_per_cont: list[list[tuple[int, int]]], profile: CostProfile
     }
 
 
-def build(method: Method, manifest: dict, folder: Path, profile: CostProfile | None = None) -> StopPolicy:
+def build(method: Method, manifest: dict, folder: Path, profile: CostProfile | None = None,
+          columns: list[str] = ()) -> StopPolicy:
+    """The method's policy; a head is checked against the traces (pair, tokenizer, the `columns` they hold)."""
     path = parse_spec(method.spec)[1]
     pol = build_policy(method.spec, method.params, profile=profile)
     if path:
         from eval.__main__ import check_compatible
-        from models.features import needed_columns
 
-        wanted = [c for c in needed_columns(pol.bundle.spec) if c not in ("prompt_id", "kind", "position")]
-        check_compatible(pol.bundle, manifest, folder, wanted)
+        check_compatible(pol.bundle, manifest, folder, list(columns))
     return pol
 
 
@@ -296,14 +296,15 @@ def speed_rule(ckpt: str | Path, conts: list[Continuation], profile: CostProfile
             "profile_key": profile.key}
 
 
-def replay(methods: list[Method], conts, manifest, folder, profile: CostProfile, desc: str,
-           cols: dict | None = None) -> dict:
-    """Each method's replay summary; with the folder's `cols`, also the AUROC of the score its policy thresholds."""
+def replay(methods: list[Method], conts, manifest, folder, profile: CostProfile, desc: str, cols: dict,
+           auroc: bool = False) -> dict:
+    """Each method's replay summary on the folder's continuations (`cols`: its columns); with `auroc`, also the
+    AUROC of the score its policy thresholds."""
     out = {}
     for m in tqdm(methods, desc=desc, unit="method", leave=False):
-        pol = build(m, manifest, folder, profile)
+        pol = build(m, manifest, folder, profile, list(cols))
         out[m.key] = summarize([replay_one(pol, cont) for cont in conts], profile, conts)
-        if cols is not None:
+        if auroc:
             out[m.key]["score_auroc"] = score_auroc(pol, cols)
     return out
 
@@ -473,7 +474,7 @@ def run(cfg: DictConfig) -> dict:
     aurocs = [float(a) for a in rc.get("synthetic_auroc") or []]
     if any(not 0.0 < a < 1.0 for a in aurocs):
         raise UserError(f"replay.synthetic_auroc must hold AUROCs strictly between 0 and 1, got {aurocs}")
-    conts_tune, man_tune, _ = load_continuations(Path(str(rc.tune)))
+    conts_tune, man_tune, cols_tune = load_continuations(Path(str(rc.tune)))
     conts_eval, man_eval, cols_eval = load_continuations(Path(str(rc.eval)))
     if man_tune.get("pair_id") != man_eval.get("pair_id"):
         raise UserError(f"replay.tune traces come from pair {man_tune.get('pair_id')}, replay.eval from "
@@ -486,9 +487,9 @@ def run(cfg: DictConfig) -> dict:
         else:
             methods.append(m)
     grid = tune_grid(cfg, methods, untuned=False)
-    tuned = replay(grid, conts_tune, man_tune, Path(str(rc.tune)), profile, "replay tune")
+    tuned = replay(grid, conts_tune, man_tune, Path(str(rc.tune)), profile, "replay tune", cols_tune)
     chosen = choose(tuned, methods, grid, "cost_model_speedup")
-    table = replay(chosen, conts_eval, man_eval, Path(str(rc.eval)), profile, "replay eval", cols_eval)
+    table = replay(chosen, conts_eval, man_eval, Path(str(rc.eval)), profile, "replay eval", cols_eval, auroc=True)
     synthetic = replay_synthetic(aurocs, conts_tune, conts_eval, profile, int(cfg.seed))
     table.update(synthetic)
     gap = gap_closed(table)
