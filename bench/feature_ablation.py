@@ -2,9 +2,9 @@
 
     python bench/feature_ablation.py [--train VAL_TRACES] [--test TEST_TRACES] [--out results/stop_heads]
 
-Defaults are the main job's traces (`python -m train +experiment=disco_mbpp` makes them in traces/): trained on the
-32 validation prompts, tested on the 48 test prompts — the split the issue-16 probe used, because the MBPP *train*
-continuations are where the distilled draft was trained (90% acceptance there vs ~61% on validation/test).
+Defaults are the heads' traces of results/stop_heads (`python -m train +experiment=disco_plus_mbpp
+split_limits.test=500` makes them in traces/): trained on the heads' 60 train prompts (MBPP 511-570; the draft was
+distilled on 601-974, conf/dataset/mbpp.yaml), tested on all 500 test prompts, 128 tokens each.
 Per feature set (DISCO, +verify, +copy, +token, all) two models are fitted on the same rows:
 - `gbm`: a gradient-boosted probe (scikit-learn, fixed settings; token ids as categorical: the 250 most frequent ids
   of the training rows, the rest pooled) — what the signal allows;
@@ -31,8 +31,8 @@ from sklearn.metrics import roc_auc_score  # noqa: E402
 from utils.cli import UserError, fail  # noqa: E402
 
 TRACES = REPO / "traces"
-DEFAULT_TRAIN = TRACES / "smollm2_135m--mbpp--target_ar-t0-p1-n64-s0--validation-lim32"
-DEFAULT_TEST = TRACES / "smollm2_135m--mbpp--target_ar-t0-p1-n64-s0--test-lim48"
+DEFAULT_TRAIN = TRACES / "smollm2_135m--mbpp--target_ar-t0-p1-n128-s0--train"
+DEFAULT_TEST = TRACES / "smollm2_135m--mbpp--target_ar-t0-p1-n128-s0--test-lim500"
 SETS = {"DISCO": [], "+verify": ["verify"], "+copy": ["copy"], "+token": ["token"], "all": ["verify", "copy", "token"]}
 N_IDS = 250
 

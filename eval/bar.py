@@ -109,13 +109,24 @@ def replay_bar(folder: Path, n_resamples: int) -> dict:
     return {"replay": out, "auroc": aurocs, "replay_settings": settings}
 
 
+def decoded_key(summary: dict, key: str) -> str | None:
+    """The decode run's key for a replay method key: the same, or `learned` for `learned:<stem>` when that head ran
+    alone (decode keys a head by its file stem only beside another head)."""
+    if key in summary:
+        return key
+    name, _, stem = key.partition(":")
+    ckpt = ((summary.get(name) or {}).get("params") or {}).get("ckpt")
+    return name if stem and ckpt and Path(str(ckpt)).stem == stem else None
+
+
 def wall_bar(folder: Path, learned: str, free: str, n_resamples: int) -> dict:
     """The wall-clock half: the replay's best learned and training-free methods, decoded on test prompts."""
     try:
         summary = json.loads((folder / "summary.json").read_text())
     except FileNotFoundError:
         raise UserError(f"{folder} has no summary.json; decode with python -m decode out_dir={folder}") from None
-    missing = [m for m in (learned, free) if m not in summary]
+    missing = [m for m in (learned, free) if decoded_key(summary, m) is None]
+    learned, free = decoded_key(summary, learned) or learned, decoded_key(summary, free) or free
     if missing:
         raise UserError(f"{folder} did not decode {missing}: decode the replay's best methods "
                         f"(policies=[...] tuned=<replay>/tuned.json), keyed as in the replay")
