@@ -47,8 +47,9 @@ def entropy(probs: torch.Tensor) -> torch.Tensor:
 
 
 def top2_margin(probs: torch.Tensor) -> torch.Tensor:
-    """Largest minus second-largest probability along the last axis (how decided a distribution is)."""
-    top = probs.topk(2, dim=-1).values
+    """Largest minus second-largest probability along the last axis (how decided a distribution is); the two-stage
+    top-k (`topk_probs`, the same values) because a plain top-2 over 49k entries cost ~125 µs per verification."""
+    top = topk_probs(probs, 2)
     return top[..., 0] - top[..., 1]
 
 
