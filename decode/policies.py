@@ -341,9 +341,12 @@ class Learned(StopPolicy):
     needs_probs = True
 
     def __init__(self, bundle, threshold: float | None = None, max_len: int = 40, name: str | None = None,
-                 rule: str = "auto", profile=None):
+                 rule: str = "auto", profile=None, a: float = 1.0, b: float = 0.0):
         super().__init__(max_len)
         rule, threshold = self.resolve_rule(bundle, threshold, rule)
+        # P(accept) read as σ(a·logit P + b): the same calibration shift the training-free expected_value row tunes,
+        # so both rows of the expected-value rule get the same grid (a=1, b=0: the head's own calibration)
+        self.a, self.b = float(a), float(b)
         self.rule = ExpectedValueRule(profile, self.max_len) if rule == "expected_value" else None
         self.bundle = bundle
         self.kind = bundle.kind
@@ -388,11 +391,12 @@ class Learned(StopPolicy):
     def _prob(self, step: DraftStep) -> float:
         if self.plus is not None:
             if self.needs_context and step.context is None:
-                raise UserError(f"head {self.bundle.path} reads copy/token features that need the decoder's context; "
-                                "run it through python -m decode (the replay does not pass the context)")
+                raise UserError(f"head {self.bundle.path} reads copy/token features that need the decoder's context, "
+                                "which this caller does not pass (DraftStep.context); run it through python -m decode "
+                                "or eval.replay")
             if self.needs_verify_stats and step.verify is None and step.position_in_round == 0 and step.position > 0:
                 raise UserError(f"head {self.bundle.path} reads the last verification's statistics, which this caller "
-                                "does not pass (DraftStep.verify); run it through python -m decode")
+                                "does not pass (DraftStep.verify); run it through python -m decode or eval.replay")
             return self.score(self.plus.row(step))
         if self.bundle.spec.kind != "disco":
             return self.score(step.hidden.float())
@@ -412,6 +416,9 @@ class Learned(StopPolicy):
             if self.rule is not None:
                 self.rule.reset()
         a = self._prob(step)
+        if self.a != 1.0 or self.b != 0.0:
+            a = min(max(a, 1e-6), 1 - 1e-6)
+            a = platt(math.log(a / (1 - a)), self.a, self.b)
         if self.rule is not None:  # expected value under the cost profile (the head's P(accept) is calibrated)
             return self.rule.stop(a)
         if self.kind == "specdecpp":
@@ -421,7 +428,7 @@ class Learned(StopPolicy):
 
     def describe(self):
         return {**super().describe(), "kind": self.kind, "threshold": self.threshold, "ckpt": self.bundle.path,
-                "rule": "expected_value" if self.rule is not None else "threshold"}
+                "rule": "expected_value" if self.rule is not None else "threshold", "a": self.a, "b": self.b}
 
 
 class Sprinter(Learned):

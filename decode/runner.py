@@ -389,22 +389,43 @@ def run_info(cfg: DictConfig, pair, split: str, summary: dict, profile=None) -> 
 
 def tune_grid(cfg: DictConfig, methods: list[Method], untuned: bool = True) -> list[Method]:
     """Every grid point of `tune.grid.<policy>` for the listed policies; the others once with their params
-    (`untuned=False` leaves them out: tuning has nothing to choose for them)."""
+    (`untuned=False` leaves them out: tuning has nothing to choose for them). A grid is a product space
+    ({param: [values]}) whose optional `also` adds the points of more product spaces (e.g. thresholds, plus (a, b)
+    under another rule; repeats dropped); see `product_spaces`."""
     grid = OmegaConf.to_container(cfg.tune.grid, resolve=True) or {}
     out = []
     for m in methods:
         name = parse_spec(m.spec)[0]
-        space = grid.get(name) or {}
-        if not space:
+        spaces = grid.get(name) or {}
+        if not spaces:
             if untuned:
                 out.append(m)
             continue
-        keys = list(space)
-        for values in itertools.product(*(space[k] for k in keys)):
-            point = dict(zip(keys, values))
-            label = ",".join(f"{k}={v}" for k, v in point.items())
-            out.append(Method(f"{m.key}[{label}]", m.spec, {**m.params, **point}))
+        seen = set()
+        for space in product_spaces(spaces):
+            keys = list(space)
+            for values in itertools.product(*(space[k] for k in keys)):
+                point = dict(zip(keys, values))
+                label = ",".join(f"{k}={v}" for k, v in point.items())
+                if label not in seen:
+                    seen.add(label)
+                    out.append(Method(f"{m.key}[{label}]", m.spec, {**m.params, **point}))
     return out
+
+
+def product_spaces(space) -> list[dict]:
+    """A `tune.grid.<policy>` entry as a list of product spaces: the entry without `also`, then what `also` holds
+    (one space or a list; nested `also`s unfold too). A list is taken as the spaces themselves."""
+    if isinstance(space, (list, tuple)):
+        return [sp for item in space for sp in product_spaces(item)]
+    space = dict(space or {})
+    also = space.pop("also", None)
+    return ([space] if space else []) + (product_spaces(also) if also else [])
+
+
+def grid_params(space) -> list[str]:
+    """The parameters a `tune.grid.<policy>` entry sweeps."""
+    return list(dict.fromkeys(k for sp in product_spaces(space) for k in sp))
 
 
 def choose(summary: dict, methods: list[Method], grid_methods: list[Method], metric: str) -> list[Method]:

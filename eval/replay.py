@@ -45,7 +45,7 @@ from decode import wandb_log
 from decode.metrics import cost_model_speedup, oracle_gap_closed, per_position
 from models.cost import CostProfile
 from decode.policies import StopPolicy, build_policy, parse_spec
-from decode.runner import Method, choose, methods_from_cfg, tune_grid
+from decode.runner import Method, choose, grid_params, methods_from_cfg, tune_grid
 from models.features import DraftStep, VerifyStats, continuation_starts
 from utils.cli import UserError, hydra_entry, output_dir
 
@@ -487,6 +487,7 @@ def run(cfg: DictConfig) -> dict:
         else:
             methods.append(m)
     grid = tune_grid(cfg, methods, untuned=False)
+    grid_cfg = OmegaConf.to_container(cfg.tune.grid, resolve=True) or {}
     tuned = replay(grid, conts_tune, man_tune, Path(str(rc.tune)), profile, "replay tune", cols_tune)
     chosen = choose(tuned, methods, grid, "cost_model_speedup")
     table = replay(chosen, conts_eval, man_eval, Path(str(rc.eval)), profile, "replay eval", cols_eval, auroc=True)
@@ -500,7 +501,8 @@ def run(cfg: DictConfig) -> dict:
                      "tune_rows": sum(len(x.accepted) for x in conts_tune),
                      "eval_rows": sum(len(x.accepted) for x in conts_eval), "pair": man_eval.get("pair_id"),
                      "grid": OmegaConf.to_container(cfg.tune.grid, resolve=True)},
-        "chosen": {**{m.key: {k: m.params[k] for k in (cfg.tune.grid.get(parse_spec(m.spec)[0]) or {})} for m in chosen},
+        "chosen": {**{m.key: {k: m.params.get(k) for k in grid_params(grid_cfg.get(parse_spec(m.spec)[0]))}
+                      for m in chosen},
                    **{k: {"threshold": round(v["threshold"], 2)} for k, v in synthetic.items()}},
         "eval": table,
         "gap": gap,

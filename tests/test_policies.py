@@ -234,3 +234,15 @@ def test_learned_head_under_the_expected_value_rule(tiny_pair):
     assert pol.describe()["rule"] == "expected_value"
     with pytest.raises(UserError, match="threshold or expected_value"):
         Learned(bundle, rule="sometimes")
+    # (a, b) shift the head's calibrated P(accept) as σ(a·logit P + b): an optimistic b drafts at least as long
+    x = step(dist_with_entropy(1.0))
+    p0 = pol._prob(x)
+
+    def drafted(b):
+        pol = Learned(bundle, rule="expected_value", profile=ev_profile(), b=b)
+        return next((j + 1 for j in range(16) if pol.should_stop(step(x.probs, pos_in_round=j, position=j))), 17)
+
+    lengths = [drafted(b) for b in (-8.0, -2.0, 0.0, 2.0, 8.0)]
+    assert lengths == sorted(lengths) and lengths[0] < lengths[-1]
+    thr = Learned(bundle, threshold=0.5, a=1.0, b=-100.0)
+    assert thr.should_stop(x) and not Learned(bundle, threshold=min(p0 + 1e-3, 0.999), b=50.0).should_stop(x)

@@ -200,3 +200,22 @@ def test_replay_logger_wandb_offline_run_holds_the_table(tmp_path):
     assert got["svip"]["cost_model_speedup"] == 1.3 and got["svip"]["score_auroc"] == 0.8
     assert got["synthetic[auroc=0.8]"]["score_auroc"] == 0.79  # a synthetic head's realised AUROC
     assert wandb_table(run_dir, "replay/speedup_vs_auroc_table")["data"] == [[0.79, 1.2]]
+
+
+def test_grid_is_a_product_space_or_a_union_of_them():
+    """tune.grid.<policy> with `also`: the points of several product spaces joined, repeats dropped, every swept key
+    known."""
+    from omegaconf import OmegaConf
+
+    from decode.runner import Method, grid_params, tune_grid
+
+    cfg = OmegaConf.create({"tune": {"grid": {"learned": {"threshold": [None, 0.5],
+                                                          "also": [{"rule": ["expected_value"], "b": [0.0, 1.0]},
+                                                                   {"threshold": [0.5]}]},
+                                              "svip": {"h": [0.2, 0.3]}}}})
+    methods = [Method("learned", "learned:x.ckpt", {"rule": "auto"}), Method("svip", "svip", {}), Method("oracle", "oracle", {})]
+    keys = [m.key for m in tune_grid(cfg, methods)]
+    assert keys == ["learned[threshold=None]", "learned[threshold=0.5]", "learned[rule=expected_value,b=0.0]",
+                    "learned[rule=expected_value,b=1.0]", "svip[h=0.2]", "svip[h=0.3]", "oracle"]
+    assert grid_params(OmegaConf.to_container(cfg.tune.grid)["learned"]) == ["threshold", "rule", "b"]
+    assert [m.key for m in tune_grid(cfg, methods, untuned=False)][-1] == "svip[h=0.3]"
