@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from data_gen.prompts import load_prompts, render  # noqa: E402
-from models.pair import layer_subset, load_pair, load_student  # noqa: E402
+from models.pair import layer_subset, load_pair  # noqa: E402
 from train.distill import acceptance, cost_ratio, generate_continuations, leviathan_speedup  # noqa: E402
 
 BARS = {"sum_min": 0.50, "greedy_agree": 0.50, "c": 0.30, "speedup": 1.3}

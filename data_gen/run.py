@@ -15,6 +15,7 @@ import math
 import shutil
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 from tqdm import tqdm
@@ -22,6 +23,9 @@ from tqdm import tqdm
 from data_gen import store
 from data_gen.prompts import load_prompts, render
 from utils.cli import UserError
+
+if TYPE_CHECKING:  # the real import waits until the cheap checks have passed (torch-heavy)
+    from data_gen.traces import Item
 
 TRACE_KINDS = ("target_ar", "interleaved")
 KINDS_INTERLEAVED = ("prompt", "draft", "target", "mixed")

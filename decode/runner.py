@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from decode import metrics, wandb_log
 from decode.loop import autoregressive, speculative
-from decode.policies import EXTERNAL, HEAD_POLICIES, build_policy, parse_spec
+from decode.policies import HEAD_POLICIES, build_policy, parse_spec
 from models.cost import get_profile, machine
 from utils.cli import UserError
 

@@ -23,8 +23,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from data_gen.store import check_compatible, default_trace_folder
 from utils.cli import UserError, hydra_entry, output_dir
 
 ROUND_BUCKETS = [(0, 0), (1, 1), (2, 2), (3, 3), (4, 7), (8, 15), (16, None)]
@@ -45,39 +46,6 @@ def ckpt_paths(value) -> list[Path]:
     return [Path(str(v).strip()) for v in items if str(v).strip()]
 
 
-def training_config(ckpt: Path) -> DictConfig | None:
-    """The training run's composed config (`<run dir>/.hydra/config.yaml`, the ckpt sits in <run dir>/checkpoints)."""
-    for parent in list(ckpt.resolve().parents)[:3]:
-        path = parent / ".hydra" / "config.yaml"
-        if path.is_file():
-            return OmegaConf.load(path)
-    return None
-
-
-def default_trace_folder(ckpt: Path, raw: dict, split: str, trace_root) -> Path:
-    """The `split` traces the checkpoint was trained from: the checkpoint's own record, else its run's config."""
-    recorded = (raw.get("specstop") or {}).get("traces") or {}
-    if isinstance(recorded, dict) and recorded.get(split):
-        return Path(recorded[split])
-    tcfg = training_config(ckpt)
-    if tcfg is None:
-        raise UserError(
-            f"cannot tell which traces {ckpt} was trained on (no .hydra/config.yaml in its run dir); pass traces=DIR"
-        )
-    explicit = (tcfg.get("trace_dirs") or {}).get(split)
-    if explicit:
-        return Path(str(explicit))
-    from data_gen.store import trace_folder
-    from train.__main__ import split_cfg
-
-    scfg = split_cfg(tcfg, split)
-    if trace_root:
-        scfg = scfg.copy()
-        with open_dict(scfg):
-            scfg.trace_root = str(trace_root)
-    return trace_folder(scfg, split)
-
-
 def load_split(folder: Path, split: str):
     from data_gen.store import load_traces
 
@@ -86,38 +54,6 @@ def load_split(folder: Path, split: str):
             f"no {split} traces at {folder}; generate them (python -m data_gen ... split={split}) or pass traces=DIR"
         )
     return load_traces(folder)
-
-
-def check_compatible(bundle, manifest: dict, folder: Path, names: list[str]) -> None:
-    """Refuse traces from another pair, tokenizer or feature spec than the checkpoint's, in one line."""
-    pid, tok = str(manifest.get("pair_id")), str(manifest.get("tokenizer_hash"))
-    if pid != bundle.pair_id or tok != bundle.tokenizer_hash:
-        raise UserError(
-            f"checkpoint {bundle.path} was trained on pair {bundle.pair_id} (tokenizer {bundle.tokenizer_hash}) but the "
-            f"traces {folder} come from pair {pid} (tokenizer {tok}); pass traces= made with pair={bundle.pair_id}"
-        )
-    spec = bundle.spec
-    if spec.kind == "disco_plus":
-        from models.features import needed_columns
-
-        lack = [c for c in needed_columns(spec) if c not in names]
-        if lack:
-            raise UserError(
-                f"checkpoint {bundle.path} reads disco_plus features needing trace column(s) {lack} that the traces "
-                f"{folder} lack (made before these features existed?); regenerate them with python -m data_gen ... overwrite=true"
-            )
-    if spec.kind in ("disco", "disco_plus"):
-        have = int(manifest.get("topk", spec.k))
-        if have < spec.k or "draft_topk" not in names:
-            raise UserError(f"checkpoint {bundle.path} reads top-{spec.k} probabilities but the traces {folder} store top-{have}")
-    else:
-        d = int(manifest.get("hidden_size", 0) or 0)
-        if d != spec.d or "draft_hidden" not in names:
-            what = "no hidden states" if d == 0 or "draft_hidden" not in names else f"hidden states of size {d}"
-            raise UserError(
-                f"checkpoint {bundle.path} reads draft hidden states of size {spec.d} but the traces {folder} have {what}; "
-                "pass traces= made by the same pair with trace.store_hidden=true"
-            )
 
 
 # ---------------------------------------------------------------------------------------------------- metrics
@@ -204,7 +140,7 @@ def evaluate(bundle, ds, manifest: dict, folder: Path) -> dict:
     from data_gen.labels import make_labels
     from eval.metrics import best_f1_threshold, classification_metrics, roc_pr_points, static_length_f1
     from models.features import continuation_starts, features_from_columns, trace_round_positions
-    from train.datamodule import trace_columns
+    from data_gen.store import trace_columns
 
     names = list(ds.column_names)
     check_compatible(bundle, manifest, folder, names)

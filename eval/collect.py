@@ -61,7 +61,7 @@ def write(result: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "collect.json").write_text(json.dumps(result, indent=2))
     vals, metric = result["values"], result["metric"]
-    lines = [f"| method | " + " | ".join(f"{result['by']}={v}" for v in vals) + " |", "|---|" + "---|" * len(vals)]
+    lines = ["| method | " + " | ".join(f"{result['by']}={v}" for v in vals) + " |", "|---|" + "---|" * len(vals)]
     for method, cells in result["methods"].items():
         row = []
         for v in vals:

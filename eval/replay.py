@@ -94,8 +94,7 @@ def check_greedy(manifest: dict, where) -> None:
 
 def load_greedy_traces(folder: Path, names: list[str]) -> tuple[dict, dict]:
     """(columns present among `names`, manifest) of a greedy target_ar trace folder; other folders refused in one line."""
-    from data_gen.store import load_traces
-    from train.datamodule import trace_columns
+    from data_gen.store import load_traces, trace_columns
 
     folder = Path(folder)
     if not folder.exists():
@@ -271,7 +270,7 @@ def build(method: Method, manifest: dict, folder: Path, profile: CostProfile | N
     path = parse_spec(method.spec)[1]
     pol = build_policy(method.spec, method.params, profile=profile)
     if path:
-        from eval.__main__ import check_compatible
+        from data_gen.store import check_compatible
 
         check_compatible(pol.bundle, manifest, folder, list(columns))
     return pol

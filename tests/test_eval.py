@@ -34,7 +34,7 @@ def fake_training_run(root, kind: str, pair, seed: int = 0, pair_id: str | None 
     from data_gen.store import load_traces
     from models.features import FeatureSpec
     from models.heads import CKPT_KEY, HeadBundle, build_head
-    from train.__main__ import split_cfg
+    from data_gen.store import split_cfg
 
     cfg = compose_cfg("train", [f"trace_root={root / 'traces'}", "batch_size=4", *TRAIN_OVERRIDES[kind]])
     _, manifest = load_traces(generate(split_cfg(cfg, "test"), "test", pair))
@@ -72,7 +72,7 @@ def independent_auroc(ckpt, root):
     from data_gen.store import load_traces
     from models.features import features_from_columns
     from models.heads import load_head
-    from train.datamodule import trace_columns
+    from data_gen.store import trace_columns
 
     bundle = load_head(ckpt)
     folder = next((root / "traces").glob("*target_ar*--test*"))

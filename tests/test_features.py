@@ -61,7 +61,7 @@ def test_decode_rows_equal_trace_rows(plus_traces, tiny_pair):
     from data_gen.store import load_traces
     from decode.loop import autoregressive, speculative
     from models.features import GROUPS, FeatureSpec, continuation_starts, features_from_columns, needed_columns
-    from train.datamodule import trace_columns
+    from data_gen.store import trace_columns
 
     ds, manifest = load_traces(plus_traces)
     spec = FeatureSpec("disco_plus", k=10, d=int(manifest["hidden_size"]), groups=GROUPS)

@@ -148,7 +148,7 @@ def test_prompt_in_two_splits_refused(tmp_path):
 def smoke_traces(tmp_path_factory, tiny_pair):
     """The smoke experiment's traces, generated once in-process (the CLI runs below then reuse them)."""
     from data_gen.run import generate
-    from train.__main__ import split_cfg
+    from data_gen.store import split_cfg
 
     root = tmp_path_factory.mktemp("traces")
     cfg = cfg_for("+experiment=smoke", f"trace_root={root}")
@@ -197,7 +197,8 @@ def test_cli_unknown_experiment_one_line(cli):
 def test_sprinter_on_tiny_interleaved_traces(tmp_path, tiny_pair):
     """Real data_gen traces (interleaved, hidden states stored) → SPRINTER head; the spec's d is the draft's hidden size."""
     from data_gen.run import generate
-    from train.__main__ import load_traces, split_cfg
+    from data_gen.store import split_cfg
+    from train.__main__ import load_traces
 
     cfg = cfg_for("+experiment=smoke", "trace=interleaved", "model=sprinter", "labels=ratio", "labels.tau=1.5",
                   "trainer=fast_dev_run", "logger=none", f"trace_root={tmp_path / 'traces'}", "trace.max_new_tokens=12",

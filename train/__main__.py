@@ -22,13 +22,14 @@ import os
 import warnings
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
 from utils import wandb_run
+from data_gen.store import HEAD_SPLITS as SPLITS
+from data_gen.store import split_cfg
 from utils.cli import UserError, hydra_entry
 
 log = logging.getLogger("train")
-SPLITS = ("train", "validation", "test")
 BASELINE_LABELS = {"max_q": "max q", "neg_entropy": "−H_q"}  # the training-free scores a head is compared with
 
 
@@ -42,17 +43,6 @@ def quiet_lightning() -> None:
 
 
 # --------------------------------------------------------------------------------------------------------- traces
-
-
-def split_cfg(cfg: DictConfig, split: str) -> DictConfig:
-    """The config data_gen sees for one split: `split_limits.<split>` (when set) replaces `limit`."""
-    limit = (cfg.get("split_limits") or {}).get(split)
-    if limit is None:
-        return cfg
-    out = cfg.copy()
-    with open_dict(out):
-        out.limit = int(limit)
-    return out
 
 
 def load_traces(cfg: DictConfig) -> tuple[dict, dict]:
@@ -236,7 +226,6 @@ def log_curves_wandb(loggers: list, points: dict, pngs: dict) -> None:
 def run(cfg: DictConfig, run_dir: Path, traces: dict | None = None, manifests: dict | None = None) -> dict:
     """Train, test and report one head; returns the results dict (also written to run_dir/results.json)."""
     import lightning as L
-    import torch
     from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
     from data_gen.labels import required_columns
@@ -383,7 +372,7 @@ def store_speed_rule(path: Path, val_ds, val_manifest: dict, conf) -> dict | Non
     from eval.replay import CONTINUATION_COLUMNS, continuations, speed_rule
     from models.cost import CostProfile
     from models.heads import CKPT_KEY, load_head
-    from train.datamodule import trace_columns
+    from data_gen.store import trace_columns
 
     if not conf or not conf.get("thresholds"):
         return None

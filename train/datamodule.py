@@ -15,47 +15,15 @@ import torch
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader, TensorDataset, WeightedRandomSampler
 
+from data_gen.store import HEAD_SPLITS as SPLITS
+from data_gen.store import trace_columns
 from data_gen.labels import is_soft, make_labels, make_weights, required_columns, weight_columns
 from models.features import FeatureSpec, features_from_columns, needed_columns, trace_round_positions
 from utils.cli import UserError
 
 log = logging.getLogger(__name__)
 
-SPLITS = ("train", "validation", "test")
 ROUND_COLUMNS = ("draft_token", "target_token", "position", "prompt_id", "kind")
-
-
-def trace_columns(ds, names) -> dict[str, np.ndarray]:
-    """Columns of a `datasets.Dataset` (or a dict) as numpy arrays; list columns become (N, k) arrays."""
-    import pyarrow as pa
-
-    if isinstance(ds, dict):
-        return {n: np.asarray(ds[n]) for n in names if n in ds}
-    if getattr(ds, "_indices", None) is not None:  # a selected/shuffled view: materialise it once
-        ds = ds.flatten_indices()
-    table = ds.data.table if hasattr(ds.data, "table") else ds.data
-    out = {}
-    for name in names:
-        if name not in ds.column_names:
-            continue
-        col = table.column(name).combine_chunks()
-        t = col.type
-        ragged = False
-        if pa.types.is_list(t) or pa.types.is_large_list(t):
-            import pyarrow.compute as pc
-
-            lengths = pc.list_value_length(col).to_numpy(zero_copy_only=False) if len(col) else np.zeros(0)
-            ragged = len(lengths) > 0 and lengths.min() != lengths.max()
-        if ragged:  # variable length (prompt_tokens): one int64 array per row
-            arr = np.empty(len(col), dtype=object)
-            arr[:] = [np.asarray(v, dtype=np.int64) for v in col.to_pylist()]
-            out[name] = arr
-        elif pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
-            flat = col.flatten().to_numpy(zero_copy_only=False)
-            out[name] = flat.reshape(len(col), -1) if len(col) else flat.reshape(0, 0)
-        else:
-            out[name] = col.to_numpy(zero_copy_only=False)
-    return out
 
 
 class TraceDataModule(L.LightningDataModule):

@@ -18,9 +18,8 @@ from pathlib import Path
 
 import torch
 
-from eval.__main__ import default_trace_folder, training_config
+from data_gen.store import HEAD_SPLITS, default_trace_folder, training_config
 from models.heads import CKPT_KEY, load_head
-from train.__main__ import SPLITS
 from utils.cli import UserError, fail
 
 
@@ -29,7 +28,7 @@ def export(src: Path, dst: Path) -> Path:
     ckpt = torch.load(src, map_location="cpu", weights_only=False)
     meta = dict(ckpt[CKPT_KEY])
     if training_config(src) is not None:
-        meta["traces"] = {split: str(default_trace_folder(src, ckpt, split, None)) for split in SPLITS}
+        meta["traces"] = {split: str(default_trace_folder(src, ckpt, split, None)) for split in HEAD_SPLITS}
     slim = {CKPT_KEY: meta, "state_dict": {k: v for k, v in ckpt["state_dict"].items() if k.startswith("head.")}}
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_name(dst.name + ".tmp")
