@@ -31,7 +31,7 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from utils.cli import UserError
-from utils.files import sha256_file
+from utils.files import sha256_file, write_text_atomic
 
 FORMAT_VERSION = 1
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -110,9 +110,7 @@ def code_version() -> str:
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True, default=str))
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(data, indent=1, sort_keys=True, default=str))
 
 
 def create_manifest(folder: Path, data: dict) -> dict:
@@ -326,18 +324,25 @@ def missing_shards(manifest: dict, shards: dict[int, dict]) -> list[int]:
 def verify(folder: Path) -> dict:
     """Check a (possibly multi-job) trace folder is complete and intact, then finalize its manifest (merge step)."""
     folder = Path(folder)
+    manifest, shards = complete_shards(folder, full=True, no_manifest=f"no traces at {folder} (no {MANIFEST}); run python "
+                                       "-m data_gen with the same settings first",
+                                       fix="rerun the data_gen jobs (same command, all shard_id values) to finish them")
+    return finalize(folder, manifest, shards)
+
+
+def complete_shards(folder: Path, full: bool, no_manifest: str, fix: str) -> tuple[dict, dict[int, dict]]:
+    """(manifest, shards) of a folder whose planned shards are all there; otherwise one line naming what is missing
+    and `fix`."""
     manifest = read_manifest(folder)
     if manifest is None:
-        raise UserError(f"no traces at {folder} (no {MANIFEST}); run python -m data_gen with the same settings first")
-    shards = existing_shards(folder, full=True)
+        raise UserError(no_manifest)
+    shards = existing_shards(folder, full=full)
     missing = missing_shards(manifest, shards)
     if missing:
         names = ", ".join(shard_name(i) for i in missing[:5]) + (" ..." if len(missing) > 5 else "")
-        raise UserError(
-            f"traces at {folder} are incomplete: {len(missing)} of {manifest['num_shards_planned']} shards missing ({names}); "
-            "rerun the data_gen jobs (same command, all shard_id values) to finish them"
-        )
-    return finalize(folder, manifest, shards)
+        raise UserError(f"traces at {folder} are incomplete: {len(missing)} of {manifest['num_shards_planned']} shards "
+                        f"missing ({names}); {fix}")
+    return manifest, shards
 
 
 def load_traces(folder: Path | str):
@@ -345,16 +350,9 @@ def load_traces(folder: Path | str):
     from datasets import concatenate_datasets, load_from_disk
 
     folder = Path(folder)
-    manifest = read_manifest(folder)
-    if manifest is None:
-        raise UserError(f"no traces at {folder}; generate them with python -m data_gen (train/eval do it via the same settings)")
-    shards = existing_shards(folder, full=False)
-    missing = missing_shards(manifest, shards)
-    if missing:
-        raise UserError(
-            f"traces at {folder} are incomplete ({len(missing)} of {manifest['num_shards_planned']} shards missing); "
-            "rerun python -m data_gen with the same settings to finish them"
-        )
+    manifest, shards = complete_shards(folder, full=False, no_manifest=f"no traces at {folder}; generate them with "
+                                       "python -m data_gen (train/eval do it via the same settings)",
+                                       fix="rerun python -m data_gen with the same settings to finish them")
     parts = []
     for index in sorted(shards):
         try:

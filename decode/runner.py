@@ -15,8 +15,6 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import os
-import tempfile
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -30,6 +28,7 @@ from decode.loop import autoregressive, speculative
 from decode.policies import HEAD_POLICIES, build_policy, parse_spec
 from models.cost import get_profile, machine
 from utils.cli import UserError
+from utils.files import write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -297,10 +296,9 @@ def markdown_table(summary: dict, title: str = "") -> str:
 
 
 def plots(summary: dict, rows: list[dict], out_dir: Path) -> None:
-    import matplotlib
+    from utils.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     import numpy as np
 
     keys = [k for k in summary if k != "target"]
@@ -333,11 +331,6 @@ def plots(summary: dict, rows: list[dict], out_dir: Path) -> None:
     plt.close(fig)
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        fh.write(text)
-    os.replace(tmp, path)
 
 
 def task_table(by_task: dict, title: str = "") -> str:
@@ -358,14 +351,14 @@ def write_outputs(out_dir: Path, summary: dict, rows: list[dict], run_info: dict
                   prefix: str = "", by_task: dict | None = None) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     if by_task:
-        _atomic_write(out_dir / f"{prefix}by_task.json", json.dumps(by_task, indent=2))
-        _atomic_write(out_dir / f"{prefix}by_task.md", task_table(by_task, title))
-    _atomic_write(out_dir / f"{prefix}prompts.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
-    _atomic_write(out_dir / f"{prefix}run.json", json.dumps(run_info, indent=2))
-    _atomic_write(out_dir / f"{prefix}summary.md", markdown_table(summary, title))
+        write_text_atomic(out_dir / f"{prefix}by_task.json", json.dumps(by_task, indent=2))
+        write_text_atomic(out_dir / f"{prefix}by_task.md", task_table(by_task, title))
+    write_text_atomic(out_dir / f"{prefix}prompts.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    write_text_atomic(out_dir / f"{prefix}run.json", json.dumps(run_info, indent=2))
+    write_text_atomic(out_dir / f"{prefix}summary.md", markdown_table(summary, title))
     if make_plots:
         plots(summary, rows, out_dir)
-    _atomic_write(out_dir / f"{prefix}summary.json", json.dumps(summary, indent=2))  # last: its presence = done
+    write_text_atomic(out_dir / f"{prefix}summary.json", json.dumps(summary, indent=2))  # last: its presence = done
 
 
 def run_info(cfg: DictConfig, pair, split: str, summary: dict, profile=None) -> dict:
@@ -478,7 +471,7 @@ def main(cfg: DictConfig) -> dict:
     tinfo = run_info(cfg, pair, str(cfg.tune.split), tsum, profile)
     write_outputs(out_dir, tsum, trows, tinfo, f"tuning on {cfg.tune.split} (metric {metric})", False, prefix="tune_")
     wandb_log.log_result(tsum, tinfo, out_dir, prefix="tune", tuned=tuned)
-    _atomic_write(out_dir / "tuned.json", json.dumps({"metric": metric, "split": str(cfg.tune.split),
+    write_text_atomic(out_dir / "tuned.json", json.dumps({"metric": metric, "split": str(cfg.tune.split),
                                                        "chosen": tuned}, indent=2))
     print(markdown_table(tsum, f"tuning on {cfg.tune.split}"))
     print("chosen:", json.dumps(tuned))

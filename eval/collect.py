@@ -53,10 +53,9 @@ def collect(run_dirs: list[Path], by: str, metric: str = "speedup") -> dict:
 
 
 def write(result: dict, out: Path) -> None:
-    import matplotlib
+    from utils.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "collect.json").write_text(json.dumps(result, indent=2))

@@ -58,10 +58,9 @@ def analyse(run_dir: Path) -> dict:
 
 
 def write(result: dict, run_dir: Path) -> None:
-    import matplotlib
+    from utils.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     (run_dir / "k_sweep.json").write_text(json.dumps(result, indent=2))
     lines = [f"α̂ = {result['alpha']:.3f} (pooled over {result['verified_positions']} verified positions), "

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
+import numpy as np
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+from utils.plotting import pyplot
+
+plt = pyplot()
 
 
 def _save(fig, path) -> Path:

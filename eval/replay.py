@@ -436,10 +436,9 @@ def plot(result: dict, path: Path) -> Path | None:
     syn = {k: v for k, v in result["eval"].items() if k.startswith("synthetic[")}
     if not syn:
         return None
-    import matplotlib
+    from utils.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     from eval.plots import _save
 

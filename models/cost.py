@@ -24,7 +24,6 @@ import json
 import os
 import platform
 import statistics
-import tempfile
 
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -35,6 +34,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from utils.cli import UserError
+from utils.files import write_text_atomic
 
 PROFILE_VERSION = 2
 
@@ -236,11 +236,7 @@ def get_profile(pair, settings: DictConfig | dict | None = None) -> CostProfile:
         except (ValueError, UserError, TypeError):
             pass  # an unreadable or old cache entry is remeasured, never trusted
     prof = measure(pair, settings)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as fh:
-        json.dump(prof.to_dict(), fh, indent=1)
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(prof.to_dict(), indent=1))
     return prof
 
 

@@ -28,6 +28,7 @@ from utils import wandb_run
 from data_gen.store import HEAD_SPLITS as SPLITS
 from data_gen.store import split_cfg
 from utils.cli import UserError, hydra_entry
+from utils.files import atomic_write
 
 log = logging.getLogger("train")
 BASELINE_LABELS = {"max_q": "max q", "neg_entropy": "−H_q"}  # the training-free scores a head is compared with
@@ -175,10 +176,9 @@ def save_curves(points: dict, out_dir: Path, title: str, roc_baselines: dict | N
                 label: str = "head") -> dict[str, Path]:
     """ROC and PR curves as PNG files in `out_dir` (beside the checkpoint); `roc_baselines` (label → (fpr, tpr)) are
     drawn beside the head's ROC: the training-free scores on the same rows."""
-    import matplotlib
+    from utils.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     paths = {}
     labels = {"roc": ("false positive rate", "true positive rate"), "pr": ("recall", "precision")}
@@ -357,9 +357,7 @@ def calibrate_checkpoint(path: Path, val: dict, mode: str, threshold_mode: str, 
     if threshold_mode == "best_f1":
         scores = torch.sigmoid(logits / calib["temperature"] + calib["bias"])
         ckpt[CKPT_KEY]["threshold"], _ = best_f1_threshold(scores, val["y"])
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(ckpt, tmp)
-    tmp.replace(path)
+    atomic_write(path, lambda tmp: torch.save(ckpt, tmp))
     return calib
 
 
@@ -388,9 +386,7 @@ def store_speed_rule(path: Path, val_ds, val_manifest: dict, conf) -> dict | Non
     choice = speed_rule(path, conts, profile, list(conf.thresholds))
     ckpt = torch.load(path, map_location="cpu", weights_only=False)
     ckpt[CKPT_KEY]["decode_rule"] = {k: choice[k] for k in ("rule", "threshold") if k in choice}
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(ckpt, tmp)
-    tmp.replace(path)
+    atomic_write(path, lambda tmp: torch.save(ckpt, tmp))
     return choice
 
 

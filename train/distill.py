@@ -43,6 +43,7 @@ from tqdm.auto import tqdm
 from eval.theory import best_gamma
 from models.pair import STUDENT_META, Pair, cache_root, eos_ids, _decoder_parts, layer_subset, load_pair, load_student
 from utils.cli import UserError, check_name, hydra_entry
+from utils.files import atomic_write
 
 log = logging.getLogger(__name__)
 CODE_VERSION = "distill-1"
@@ -81,13 +82,9 @@ def save_student(student, path: Path, info: dict, dtype: torch.dtype) -> Path:
     """Write the student file atomically (safetensors + JSON metadata that `load_student` reads)."""
     from safetensors.torch import save_file
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".partial")
-    save_file(student_state(student, "norm" in info.get("own_modules", []), dtype), str(tmp),
-              metadata={STUDENT_META: json.dumps(info, default=str)})
-    os.replace(tmp, path)
-    return path
+    state = student_state(student, "norm" in info.get("own_modules", []), dtype)
+    return atomic_write(Path(path), lambda tmp: save_file(state, str(tmp),
+                                                          metadata={STUDENT_META: json.dumps(info, default=str)}))
 
 
 # --------------------------------------------------------------------------------------------------------- the data
@@ -172,10 +169,7 @@ def _cached(path: Path, make) -> list[dict]:
     if path.is_file():
         return torch.load(path, weights_only=True)
     items = make()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".partial")
-    torch.save(items, tmp)
-    os.replace(tmp, path)
+    atomic_write(path, lambda tmp: torch.save(items, tmp))
     return items
 
 

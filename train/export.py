@@ -21,6 +21,7 @@ import torch
 from data_gen.store import HEAD_SPLITS, default_trace_folder, training_config
 from models.heads import CKPT_KEY, load_head
 from utils.cli import UserError, fail
+from utils.files import atomic_write
 
 
 def export(src: Path, dst: Path) -> Path:
@@ -30,10 +31,7 @@ def export(src: Path, dst: Path) -> Path:
     if training_config(src) is not None:
         meta["traces"] = {split: str(default_trace_folder(src, ckpt, split, None)) for split in HEAD_SPLITS}
     slim = {CKPT_KEY: meta, "state_dict": {k: v for k, v in ckpt["state_dict"].items() if k.startswith("head.")}}
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_name(dst.name + ".tmp")
-    torch.save(slim, tmp)
-    tmp.replace(dst)
+    atomic_write(dst, lambda tmp: torch.save(slim, tmp))
     results = src.parent.parent / "results.json"
     if results.is_file():
         meta = json.loads(results.read_text())

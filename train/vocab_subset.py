@@ -13,8 +13,6 @@ contains (an upper bound on greedy acceptance of a subset draft relative to the 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections import Counter
 from datetime import datetime, timezone
 from pathlib import Path
@@ -23,6 +21,7 @@ import torch
 from omegaconf import DictConfig
 
 from utils.cli import hydra_entry
+from utils.files import write_text_atomic
 
 
 def _strings(x) -> list[str]:
@@ -117,11 +116,7 @@ def main(cfg: DictConfig) -> dict:
         "ids_by_frequency": ids, "counts": [counts[i] for i in ids],
     }
     out = Path(str(cfg.out))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.")
-    with os.fdopen(fd, "w") as fh:
-        json.dump(result, fh)
-    os.replace(tmp, out)
+    write_text_atomic(out, json.dumps(result))
     print(f"{len(ids)} distinct tokens of {result['total_tokens']} counted; coverage {json.dumps(result['coverage'])}")
     print(f"wrote {out}")
     return result

@@ -13,3 +13,27 @@ def sha256_file(path: Path) -> str:
         for block in iter(lambda: fh.read(1 << 22), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def atomic_write(path: Path, write) -> Path:
+    """Write a file so a reader never sees it half-written: `write(tmp)` fills a hidden sibling temp file, which then
+    replaces `path` in one rename (removed if `write` fails). Parent folders are created."""
+    import os
+    import tempfile
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_text_atomic(path: Path, text: str) -> Path:
+    """`atomic_write` of a text file (UTF-8)."""
+    return atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
