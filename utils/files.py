@@ -16,20 +16,20 @@ def sha256_file(path: Path) -> str:
 
 
 def atomic_write(path: Path, write) -> Path:
-    """Write a file so a reader never sees it half-written: `write(tmp)` fills a hidden sibling temp file, which then
-    replaces `path` in one rename (removed if `write` fails). Parent folders are created."""
+    """Write a file so a reader never sees it half-written: `write(tmp)` fills a hidden sibling temp file (a unique
+    name, created by `write` with the usual permissions), which then replaces `path` in one rename (removed if
+    `write` fails). Parent folders are created."""
     import os
-    import tempfile
+    import uuid
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
     try:
-        write(Path(tmp))
+        write(tmp)
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
     return path
 
