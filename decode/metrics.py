@@ -104,9 +104,12 @@ def cost_model_speedup(rows: list[dict], target_rows: list[dict], profile) -> fl
 
     if profile is None:
         return float("nan")
-    tokens, t_tokens = sum(r["new_tokens"] for r in rows), sum(r["new_tokens"] for r in target_rows)
-    cost = sum(modeled_ms(r, profile) for r in rows)
-    t_cost = sum(modeled_ms(r, profile) for r in target_rows)
+    return speedup_from_costs(sum(r["new_tokens"] for r in rows), sum(modeled_ms(r, profile) for r in rows),
+                              sum(r["new_tokens"] for r in target_rows), sum(modeled_ms(r, profile) for r in target_rows))
+
+
+def speedup_from_costs(tokens: float, cost: float, t_tokens: float, t_cost: float) -> float:
+    """Tokens per unit cost ÷ target-only tokens per unit cost (nan when either side is empty)."""
     if not tokens or not t_tokens or cost <= 0 or t_cost <= 0:
         return float("nan")
     return (tokens / cost) / (t_tokens / t_cost)

@@ -331,8 +331,6 @@ def plots(summary: dict, rows: list[dict], out_dir: Path) -> None:
     plt.close(fig)
 
 
-
-
 def task_table(by_task: dict, title: str = "") -> str:
     """SVIP Table 1 layout: one row per method, speedup per task (and the mean accepted length in brackets)."""
     tasks = list(by_task)

@@ -42,9 +42,9 @@ from sklearn.metrics import roc_auc_score
 from tqdm.auto import tqdm
 
 from decode import wandb_log
-from decode.metrics import cost_model_speedup, oracle_gap_closed, per_position
+from decode.metrics import oracle_gap_closed, per_position, speedup_from_costs
 from models.cost import CostProfile
-from decode.policies import StopPolicy, build_policy, parse_spec
+from decode.policies import Learned, StopPolicy, build_policy, parse_spec
 from decode.runner import Method, choose, grid_params, methods_from_cfg, tune_grid
 from models.features import DraftStep, VerifyStats, continuation_starts
 from utils.cli import UserError, hydra_entry, output_dir
@@ -80,8 +80,6 @@ class Continuation:
         m = min(n + 1, k)
         mean_tvd = float(np.mean(self.tvd[t : t + m])) if m else 0.0
         return VerifyStats(float(self.target_entropy[t + n]), float(self.target_margin[t + n]), k, n, mean_tvd)
-
-
 
 
 def check_greedy(manifest: dict, where) -> None:
@@ -243,13 +241,16 @@ def summarize(rounds_per_cont: list[list[tuple[int, int]]], profile: CostProfile
     conts = conts or [None] * len(rounds_per_cont)
     rows, base = cost_rows(rounds_per_cont, [len(c.prompt) if c is not None and c.prompt is not None else None
                                              for c in conts])
+    cost = [modeled_ms(r, profile) for r in rows]
+    t_cost = [modeled_ms(r, profile) for r in base]
+    n_tok = [r["new_tokens"] for r in rows]
     rounds = [r for rs in rounds_per_cont for r in rs]
     tokens = sum(n + 1 for _, n in rounds)
     drafted = sum(k for k, _ in rounds)
     accepted = sum(n for _, n in rounds)
     verified, acc_pos = per_position(rounds, limit=8)
     return {
-        "cost_model_speedup": cost_model_speedup(rows, base, profile),
+        "cost_model_speedup": speedup_from_costs(sum(n_tok), sum(cost), sum(n_tok), sum(t_cost)),
         "acceptance_rate": accepted / drafted if drafted else 0.0,
         "mean_accepted_length": tokens / len(rounds) if rounds else 0.0,
         "draft_calls_per_token": drafted / tokens if tokens else 0.0,
@@ -258,9 +259,7 @@ def summarize(rounds_per_cont: list[list[tuple[int, int]]], profile: CostProfile
         "past_rejection": sum(k > n + 1 for k, n in rounds) / len(rounds) if rounds else 0.0,
         "tokens": tokens,
         "per_prompt": {"prompt_id": [c.prompt_id if c is not None else str(i) for i, c in enumerate(conts)],
-                       "new_tokens": [r["new_tokens"] for r in rows],
-                       "cost_ms": [modeled_ms(r, profile) for r in rows],
-                       "target_cost_ms": [modeled_ms(r, profile) for r in base]},
+                       "new_tokens": n_tok, "cost_ms": cost, "target_cost_ms": t_cost},
     }
 
 
@@ -276,18 +275,17 @@ def build(method: Method, manifest: dict, folder: Path, profile: CostProfile | N
     return pol
 
 
-def speed_rule(ckpt: str | Path, conts: list[Continuation], profile: CostProfile, thresholds) -> dict:
-    """The stop rule under which a head decodes fastest on these (validation) continuations, by the cost model:
-    the expected-value rule on its calibrated P(accept) (calibrated heads only) or a threshold from `thresholds`.
-    What `python -m train` stores in the checkpoint for `learned:<ckpt>` with no tuning step (issue 16)."""
-    from models.heads import load_head
-
-    calibrated = (load_head(ckpt).calibration or {}).get("mode", "none") != "none"
+def speed_rule(bundle, conts: list[Continuation], profile: CostProfile, thresholds) -> dict:
+    """The stop rule under which a head (a loaded `models.heads.HeadBundle`) decodes fastest on these (validation)
+    continuations, by the cost model: the expected-value rule on its calibrated P(accept) (calibrated heads only) or
+    a threshold from `thresholds`. What `python -m train` stores in the checkpoint for `learned:<ckpt>` with no
+    tuning step (issue 16)."""
+    calibrated = (bundle.calibration or {}).get("mode", "none") != "none"
     cands = ([{"rule": "expected_value"}] if calibrated else []) + [{"rule": "threshold", "threshold": float(t)}
                                                                      for t in thresholds]
     speed = {}
     for c in cands:
-        pol = build_policy(f"learned:{ckpt}", dict(c), profile=profile)
+        pol = Learned(bundle, profile=profile, **c)
         speed[json.dumps(c)] = summarize([replay_one(pol, x) for x in conts], profile, conts)["cost_model_speedup"]
     best = max(speed, key=speed.get)
     return {**json.loads(best), "cost_model_speedup": speed[best],
@@ -498,7 +496,7 @@ def run(cfg: DictConfig) -> dict:
                      "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                      "tune_rows": sum(len(x.accepted) for x in conts_tune),
                      "eval_rows": sum(len(x.accepted) for x in conts_eval), "pair": man_eval.get("pair_id"),
-                     "grid": OmegaConf.to_container(cfg.tune.grid, resolve=True)},
+                     "grid": grid_cfg},
         "chosen": {**{m.key: {k: m.params.get(k) for k in grid_params(grid_cfg.get(parse_spec(m.spec)[0]))}
                       for m in chosen},
                    **{k: {"threshold": round(v["threshold"], 2)} for k, v in synthetic.items()}},

@@ -302,6 +302,15 @@ class HeadBundle:
         }
 
 
+def update_head_meta(path: str | Path, **entries) -> None:
+    """Set entries of a head checkpoint's metadata (what `load_head` reads), rewriting the file atomically."""
+    from utils.files import atomic_write
+
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    ckpt[CKPT_KEY].update(entries)
+    atomic_write(Path(path), lambda tmp: torch.save(ckpt, tmp))
+
+
 def load_head(path: str | Path, map_location: str | torch.device = "cpu") -> HeadBundle:
     """Rebuild a `HeadBundle` from a `python -m train` checkpoint (UserError when missing or not a head)."""
     path = Path(path)

@@ -28,7 +28,6 @@ from utils import wandb_run
 from data_gen.store import HEAD_SPLITS as SPLITS
 from data_gen.store import split_cfg
 from utils.cli import UserError, hydra_entry
-from utils.files import atomic_write
 
 log = logging.getLogger("train")
 BASELINE_LABELS = {"max_q": "max q", "neg_entropy": "−H_q"}  # the training-free scores a head is compared with
@@ -347,17 +346,16 @@ def calibrate_checkpoint(path: Path, val: dict, mode: str, threshold_mode: str, 
     import torch
 
     from eval.metrics import best_f1_threshold
-    from models.heads import CKPT_KEY, fit_calibration, load_head
+    from models.heads import fit_calibration, load_head, update_head_meta
 
     bundle = load_head(path)
     logits = bundle.logit(val["x"]).cpu()
     calib = fit_calibration(logits, val["y"], mode, val.get("w"))
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    ckpt[CKPT_KEY]["calibration"] = calib
+    entries = {"calibration": calib}
     if threshold_mode == "best_f1":
         scores = torch.sigmoid(logits / calib["temperature"] + calib["bias"])
-        ckpt[CKPT_KEY]["threshold"], _ = best_f1_threshold(scores, val["y"])
-    atomic_write(path, lambda tmp: torch.save(ckpt, tmp))
+        entries["threshold"], _ = best_f1_threshold(scores, val["y"])
+    update_head_meta(path, **entries)
     return calib
 
 
@@ -365,12 +363,10 @@ def store_speed_rule(path: Path, val_ds, val_manifest: dict, conf) -> dict | Non
     """Choose the head's stop rule for speed on the validation traces (eval.replay.speed_rule: the cost model under
     the profile the traces were made with) and store it in the checkpoint, so `learned:<ckpt>` decodes with it
     without a tuning step. Skipped (None, with a note) for heads the replay cannot run and traces with no profile."""
-    import torch
-
+    from data_gen.store import trace_columns
     from eval.replay import CONTINUATION_COLUMNS, continuations, speed_rule
     from models.cost import CostProfile
-    from models.heads import CKPT_KEY, load_head
-    from data_gen.store import trace_columns
+    from models.heads import load_head, update_head_meta
 
     if not conf or not conf.get("thresholds"):
         return None
@@ -383,10 +379,8 @@ def store_speed_rule(path: Path, val_ds, val_manifest: dict, conf) -> dict | Non
         return None
     profile = CostProfile.from_dict(val_manifest["cost_profile"])
     conts = continuations(trace_columns(val_ds, [c for c in CONTINUATION_COLUMNS if c in val_ds.column_names]))
-    choice = speed_rule(path, conts, profile, list(conf.thresholds))
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    ckpt[CKPT_KEY]["decode_rule"] = {k: choice[k] for k in ("rule", "threshold") if k in choice}
-    atomic_write(path, lambda tmp: torch.save(ckpt, tmp))
+    choice = speed_rule(bundle, conts, profile, list(conf.thresholds))
+    update_head_meta(path, decode_rule={k: choice[k] for k in ("rule", "threshold") if k in choice})
     return choice
 
 
