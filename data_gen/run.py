@@ -1,7 +1,7 @@
 """Make, resume or reuse the traces of one (pair, dataset, trace kind, decoding settings, split).
 
 `generate(cfg, split, pair)` is what `python -m data_gen` runs and what `python -m train` / `python -m eval` call.
-It reads top-level keys with defaults (`batch_size`, `limit`, `shard_id`, `num_shards`, `overwrite`,
+It reads top-level keys with defaults into `Settings` (`batch_size`, `limit`, `shard_id`, `num_shards`, `overwrite`,
 `prompts_per_shard`, `max_prompt_tokens`, `prompt_overflow`) so a config lacking some still works.
 
 Plan: prompts are rendered and tokenized, over-long ones truncated/skipped/refused (and counted aloud), then cut into
@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -32,28 +33,43 @@ KINDS_INTERLEAVED = ("prompt", "draft", "target", "mixed")
 OVERFLOW = ("truncate", "skip", "error")
 
 
-def settings(cfg: DictConfig) -> dict:
+@dataclass(frozen=True)
+class Settings:
+    """The top-level generation settings, read once with their defaults (so a config lacking some still works)."""
+
+    batch_size: int = 8
+    limit: int | None = None
+    shard_id: int = 0
+    num_shards: int = 1
+    overwrite: bool = False
+    prompts_per_shard: int = 16
+    max_prompt_tokens: int | None = None
+    prompt_overflow: str = "truncate"
+    progress: bool = True
+
+
+def settings(cfg: DictConfig) -> Settings:
     """Top-level generation settings with their defaults (validated)."""
-    s = {
-        "batch_size": int(cfg.get("batch_size", 8) or 8),
-        "limit": cfg.get("limit"),
-        "shard_id": int(cfg.get("shard_id", 0) or 0),
-        "num_shards": int(cfg.get("num_shards", 1) or 1),
-        "overwrite": bool(cfg.get("overwrite", False)),
-        "prompts_per_shard": int(cfg.get("prompts_per_shard", 16) or 16),
-        "max_prompt_tokens": cfg.get("max_prompt_tokens"),
-        "prompt_overflow": str(cfg.get("prompt_overflow", "truncate")),
-        "progress": bool(cfg.get("progress", True)),
-    }
-    if s["batch_size"] < 1 or s["prompts_per_shard"] < 1:
+    s = Settings(
+        batch_size=int(cfg.get("batch_size", 8) or 8),
+        limit=cfg.get("limit"),
+        shard_id=int(cfg.get("shard_id", 0) or 0),
+        num_shards=int(cfg.get("num_shards", 1) or 1),
+        overwrite=bool(cfg.get("overwrite", False)),
+        prompts_per_shard=int(cfg.get("prompts_per_shard", 16) or 16),
+        max_prompt_tokens=cfg.get("max_prompt_tokens"),
+        prompt_overflow=str(cfg.get("prompt_overflow", "truncate")),
+        progress=bool(cfg.get("progress", True)),
+    )
+    if s.batch_size < 1 or s.prompts_per_shard < 1:
         raise UserError("batch_size and prompts_per_shard must be >= 1")
-    if s["overwrite"] and s["num_shards"] > 1:
+    if s.overwrite and s.num_shards > 1:
         raise UserError("overwrite=true with num_shards > 1 would let shard jobs delete each other's work; "
                         "delete the old trace folder once, then launch the jobs without overwrite")
-    if not 0 <= s["shard_id"] < s["num_shards"]:
-        raise UserError(f"shard_id={s['shard_id']} must be in [0, num_shards={s['num_shards']})")
-    if s["prompt_overflow"] not in OVERFLOW:
-        raise UserError(f"prompt_overflow={s['prompt_overflow']} is not one of: {', '.join(OVERFLOW)}")
+    if not 0 <= s.shard_id < s.num_shards:
+        raise UserError(f"shard_id={s.shard_id} must be in [0, num_shards={s.num_shards})")
+    if s.prompt_overflow not in OVERFLOW:
+        raise UserError(f"prompt_overflow={s.prompt_overflow} is not one of: {', '.join(OVERFLOW)}")
     kind = str(cfg.trace.get("kind"))
     if kind not in TRACE_KINDS:
         raise UserError(f"trace.kind={kind} is not one of: {', '.join(TRACE_KINDS)}")
@@ -66,12 +82,12 @@ def _encode(tokenizer, text: str, special: bool) -> list[int]:
     return list(tokenizer(text, add_special_tokens=special)["input_ids"])
 
 
-def prepare_items(cfg: DictConfig, pair, prompts, s: dict) -> tuple[list[Item], str | None]:
+def prepare_items(cfg: DictConfig, pair, prompts, s: Settings) -> tuple[list[Item], str | None]:
     """Token ids per prompt, the over-long ones handled per `prompt_overflow`; returns (items, a note to print)."""
     t = cfg.trace
     max_new = int(t.max_new_tokens)
     context = getattr(pair.target.config, "max_position_embeddings", None)
-    budget = int(s["max_prompt_tokens"]) if s["max_prompt_tokens"] is not None else None
+    budget = int(s.max_prompt_tokens) if s.max_prompt_tokens is not None else None
     if context is not None:
         fit = int(context) - max_new
         if fit < 1:
@@ -89,22 +105,22 @@ def prepare_items(cfg: DictConfig, pair, prompts, s: dict) -> tuple[list[Item], 
             continue
         if budget is not None and len(ids) > budget:
             long_ids.append(p.prompt_id)
-            if s["prompt_overflow"] == "skip":
+            if s.prompt_overflow == "skip":
                 continue
             ids = ids[-budget:]  # keep the end: the chat template's generation prompt and the task text next to it
         items.append(Item(p.prompt_id, p.split, "target_ar", ids, meta={"reference": p.reference}))
     note_parts = []
     if long_ids:
-        if s["prompt_overflow"] == "error":
+        if s.prompt_overflow == "error":
             raise UserError(
                 f"{len(long_ids)} of {len(prompts)} prompts are longer than {budget} tokens (model context {context} "
                 f"minus max_new_tokens {max_new}; first: {long_ids[0]}); set prompt_overflow=truncate or skip, "
                 "or lower trace.max_new_tokens"
             )
-        verb = "truncated to their last" if s["prompt_overflow"] == "truncate" else "skipped (longer than"
+        verb = "truncated to their last" if s.prompt_overflow == "truncate" else "skipped (longer than"
         note_parts.append(
             f"{len(long_ids)} of {len(prompts)} prompts {verb} {budget} tokens{')' if verb.startswith('skipped') else ''} "
-            f"(prompt_overflow={s['prompt_overflow']})"
+            f"(prompt_overflow={s.prompt_overflow})"
         )
     if empty:
         note_parts.append(f"{empty} empty prompts skipped")
@@ -145,23 +161,15 @@ def generate(cfg: DictConfig, split: str, pair=None) -> Path:
     finalized by whichever job finishes last (or by `verify=true`).
     """
     s = settings(cfg)
-    prompts = load_prompts(cfg.dataset, split, s["limit"])  # unknown split / empty set → UserError, nothing written
+    prompts = load_prompts(cfg.dataset, split, s.limit)  # unknown split / empty set → UserError, nothing written
     folder = store.trace_folder(cfg, split)
     chash = store.config_hash(cfg)
     manifest = store.read_manifest(folder)
-    if manifest is not None and manifest.get("config_hash") != chash and not s["overwrite"]:
-        raise UserError(
-            f"traces at {folder} were made with another config (hash {manifest.get('config_hash')} != {chash}); "
-            "rerun with overwrite=true to replace them, or pick another trace_root"
-        )
-    if manifest is not None and manifest.get("config_hash") == chash and manifest.get("complete"):
-        try:  # quick check (sizes, no re-hash); anything off falls through to the resume path's full check
-            intact = not store.missing_shards(manifest, store.existing_shards(folder, full=False))
-        except UserError:
-            intact = False
-        if intact:
-            print(f"reusing complete {_summary_line(folder, manifest)}", flush=True)
-            return folder
+    if manifest is not None and manifest.get("config_hash") != chash and not s.overwrite:
+        raise _other_config(folder, manifest, chash)
+    if _reusable(folder, manifest, chash):
+        print(f"reusing complete {_summary_line(folder, manifest)}", flush=True)
+        return folder
     store.check_writable(folder.parent)
     resuming = manifest is not None and manifest.get("config_hash") == chash
     # a corrupt shard is named before the (slow) model load and before any write
@@ -172,103 +180,147 @@ def generate(cfg: DictConfig, split: str, pair=None) -> Path:
         pair = load_pair(cfg.pair)
     if str(pair.name) != str(cfg.pair.name):
         raise UserError(f"generate() got pair {pair.name} but cfg.pair is {cfg.pair.name}; pass the matching pair")
-    from data_gen.traces import trace_batch
-    from models.cost import get_profile
-
     items, note = prepare_items(cfg, pair, prompts, s)
     if note:
         print(f"note: {note}", flush=True)
-    pps = s["prompts_per_shard"]
-    n_planned = math.ceil(len(items) / pps)
-    dtype = str(pair.dtype).replace("torch.", "")  # what pair.dtype=auto resolved to on this machine
+    plan = Plan(folder, chash, math.ceil(len(items) / s.prompts_per_shard),
+                str(pair.dtype).replace("torch.", ""))  # dtype: what pair.dtype=auto resolved to on this machine
     if resuming:
-        _check_resumable(folder, manifest, chash, pair, dtype, n_planned)
+        _check_resumable(plan, manifest, pair)
     else:
-        if folder.exists() and s["overwrite"]:
-            shutil.rmtree(folder)
-        elif store.read_manifest(folder) is None and folder.exists():
-            # no manifest yet (read again: a shard job that started with this one may have just written it); dot
-            # entries are temp files of a job creating the manifest right now, anything else is someone else's
-            leftovers = [p for p in folder.iterdir() if not p.name.startswith(".")]
-            if leftovers:
-                raise UserError(f"{folder} exists without a valid manifest; remove it or rerun with overwrite=true")
-        folder.mkdir(parents=True, exist_ok=True)
-        k = int(cfg.trace.get("topk", 10))
-        store_hidden = bool(cfg.trace.get("store_hidden", str(cfg.trace.kind) == "interleaved"))
-        manifest = {
-            "config_hash": chash,
-            "config": store.hash_payload(cfg),
-            "pair_id": pair.pair_id,
-            "tokenizer_hash": pair.tokenizer_hash,
-            "dtype": dtype,
-            "code_version": store.code_version(),
-            "trace_kind": str(cfg.trace.kind),
-            "split": split,
-            "topk": k,
-            "hidden_size": int(pair.draft.config.hidden_size) if store_hidden else 0,
-            "temperature": float(cfg.trace.get("temperature", 0.0)),
-            "top_p": float(cfg.trace.get("top_p", 1.0)),
-            "max_new_tokens": int(cfg.trace.max_new_tokens),
-            "vocab_size": pair.vocab_size,
-            # what a draft step and a target pass cost on the machine that made these traces (models.cost)
-            "cost_profile": get_profile(pair, cfg.get("profile")).to_dict(),
-            "prompts_per_shard": pps,
-            "num_prompts": len(items),
-            "num_shards_planned": n_planned,
-            "prompt_note": note,
-            "complete": False,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        }
-        # exactly one of several shard jobs started together writes it; the others adopt and check the winner's
-        created = store.create_manifest(folder, manifest)
-        if created is not manifest:
-            manifest = created
-            _check_resumable(folder, manifest, chash, pair, dtype, n_planned)
-            shards = store.existing_shards(folder, full=False)
-    assigned = [g for g in range(n_planned) if g % s["num_shards"] == s["shard_id"]]
-    mine = [g for g in assigned if g not in shards]
-    if mine and len(mine) < len(assigned):
-        print(f"resuming {folder}: {len(assigned) - len(mine)} of this job's {len(assigned)} shards already done", flush=True)
+        manifest, shards = _start_folder(cfg, split, pair, s, plan, items, note)
+    mine = [g for g in range(plan.n_shards) if g % s.num_shards == s.shard_id]
+    todo = [g for g in mine if g not in shards]
+    if todo and len(todo) < len(mine):
+        print(f"resuming {folder}: {len(mine) - len(todo)} of this job's {len(mine)} shards already done", flush=True)
+    start = time.perf_counter()
+    positions = _write_shards(cfg, split, pair, s, manifest, items, todo)
+    elapsed = time.perf_counter() - start
+    shards = store.existing_shards(folder, full=False)  # other jobs may have written theirs meanwhile
+    if store.missing_shards(manifest, shards):
+        print(
+            f"shard job {s.shard_id}/{s.num_shards} done: {len(shards)} of {plan.n_shards} shards present in {folder}; "
+            "run the same command with verify=true once every job has finished",
+            flush=True,
+        )
+        return folder
+    manifest = store.finalize(folder, manifest, shards)
+    print(_summary_line(folder, manifest, elapsed if todo else None, positions), flush=True)
+    return folder
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where this job writes and what a manifest found there must agree with."""
+
+    folder: Path
+    config_hash: str
+    n_shards: int  # groups of `prompts_per_shard` prompts
+    dtype: str
+
+
+def _other_config(folder: Path, manifest: dict, chash: str) -> UserError:
+    return UserError(
+        f"traces at {folder} were made with another config (hash {manifest.get('config_hash')} != {chash}); "
+        "rerun with overwrite=true to replace them, or pick another trace_root"
+    )
+
+
+def _reusable(folder: Path, manifest: dict | None, chash: str) -> bool:
+    """A complete folder of this config whose shards are all there (sizes only; anything off falls through to the
+    resume path's full check)."""
+    if manifest is None or manifest.get("config_hash") != chash or not manifest.get("complete"):
+        return False
+    try:
+        return not store.missing_shards(manifest, store.existing_shards(folder, full=False))
+    except UserError:
+        return False
+
+
+def _new_manifest(cfg: DictConfig, split: str, pair, s: Settings, plan: Plan, items: list, note: str | None) -> dict:
+    """The manifest of a folder this job starts: the config and everything a later reader checks against."""
+    from models.cost import get_profile
+
+    store_hidden = bool(cfg.trace.get("store_hidden", str(cfg.trace.kind) == "interleaved"))
+    return {
+        "config_hash": plan.config_hash,
+        "config": store.hash_payload(cfg),
+        "pair_id": pair.pair_id,
+        "tokenizer_hash": pair.tokenizer_hash,
+        "dtype": plan.dtype,
+        "code_version": store.code_version(),
+        "trace_kind": str(cfg.trace.kind),
+        "split": split,
+        "topk": int(cfg.trace.get("topk", 10)),
+        "hidden_size": int(pair.draft.config.hidden_size) if store_hidden else 0,
+        "temperature": float(cfg.trace.get("temperature", 0.0)),
+        "top_p": float(cfg.trace.get("top_p", 1.0)),
+        "max_new_tokens": int(cfg.trace.max_new_tokens),
+        "vocab_size": pair.vocab_size,
+        # what a draft step and a target pass cost on the machine that made these traces (models.cost)
+        "cost_profile": get_profile(pair, cfg.get("profile")).to_dict(),
+        "prompts_per_shard": s.prompts_per_shard,
+        "num_prompts": len(items),
+        "num_shards_planned": plan.n_shards,
+        "prompt_note": note,
+        "complete": False,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def _start_folder(cfg: DictConfig, split: str, pair, s: Settings, plan: Plan, items: list,
+                  note: str | None) -> tuple[dict, dict]:
+    """Create the folder and its manifest (`overwrite=true` clears an old one); returns (manifest, shards present).
+    Of several shard jobs started together exactly one writes the manifest; the others adopt and check the winner's."""
+    folder = plan.folder
+    if folder.exists() and s.overwrite:
+        shutil.rmtree(folder)
+    elif store.read_manifest(folder) is None and folder.exists():
+        # no manifest yet (read again: a shard job that started with this one may have just written it); dot
+        # entries are temp files of a job creating the manifest right now, anything else is someone else's
+        leftovers = [p for p in folder.iterdir() if not p.name.startswith(".")]
+        if leftovers:
+            raise UserError(f"{folder} exists without a valid manifest; remove it or rerun with overwrite=true")
+    folder.mkdir(parents=True, exist_ok=True)
+    manifest = _new_manifest(cfg, split, pair, s, plan, items, note)
+    created = store.create_manifest(folder, manifest)
+    if created is manifest:
+        return manifest, {}
+    _check_resumable(plan, created, pair)
+    return created, store.existing_shards(folder, full=False)
+
+
+def _write_shards(cfg: DictConfig, split: str, pair, s: Settings, manifest: dict, items: list, todo: list[int]) -> int:
+    """Trace and write shard groups `todo` (each shard appears only when complete); returns the positions traced."""
+    from data_gen.traces import trace_batch
+
+    folder, pps = store.trace_folder(cfg, split), s.prompts_per_shard
     positions, start = 0, time.perf_counter()
-    bar = tqdm(total=sum(len(items[g * pps : (g + 1) * pps]) for g in mine), unit="prompt", desc=f"data_gen {split}",
-               disable=not s["progress"], dynamic_ncols=True)
-    for g in mine:
+    bar = tqdm(total=sum(len(items[g * pps : (g + 1) * pps]) for g in todo), unit="prompt", desc=f"data_gen {split}",
+               disable=not s.progress, dynamic_ncols=True)
+    for g in todo:
         group = items[g * pps : (g + 1) * pps]
         order = sorted(range(len(group)), key=lambda i: -len(group[i].prefix))  # similar lengths batch together
         rows: list[dict | None] = [None] * len(group)
-        for b in range(0, len(order), s["batch_size"]):
-            idx = order[b : b + s["batch_size"]]
+        for b in range(0, len(order), s.batch_size):
+            idx = order[b : b + s.batch_size]
             for i, r in zip(idx, trace_batch(pair, [group[i] for i in idx], cfg.trace)):
                 rows[i] = r
                 positions += r["n"]
             bar.update(len(idx))
             bar.set_postfix_str(f"{positions / max(time.perf_counter() - start, 1e-9):.1f} positions/s")
         store.remove_stale_tmp(folder, g)
-        meta = store.write_shard(folder, g, rows, manifest["topk"], manifest["hidden_size"], {"config_hash": chash})
-        shards[g] = meta
+        store.write_shard(folder, g, rows, manifest["topk"], manifest["hidden_size"],
+                          {"config_hash": manifest["config_hash"]})
     bar.close()
-    elapsed = time.perf_counter() - start
-    shards = store.existing_shards(folder, full=False)  # other jobs may have written theirs meanwhile
-    missing = store.missing_shards(manifest, shards)
-    if missing:
-        print(
-            f"shard job {s['shard_id']}/{s['num_shards']} done: {len(shards)} of {n_planned} shards present in {folder}; "
-            "run the same command with verify=true once every job has finished",
-            flush=True,
-        )
-        return folder
-    manifest = store.finalize(folder, manifest, shards)
-    print(_summary_line(folder, manifest, elapsed if mine else None, positions), flush=True)
-    return folder
+    return positions
 
 
-def _check_resumable(folder: Path, manifest: dict, chash: str, pair, dtype: str, n_planned: int) -> None:
+def _check_resumable(plan: Plan, manifest: dict, pair) -> None:
     """A manifest found in place (a resume, or another shard job's) must describe exactly this job's traces."""
-    if manifest.get("config_hash") != chash:
-        raise UserError(
-            f"traces at {folder} were made with another config (hash {manifest.get('config_hash')} != {chash}); "
-            "rerun with overwrite=true to replace them, or pick another trace_root"
-        )
+    folder, dtype = plan.folder, plan.dtype
+    if manifest.get("config_hash") != plan.config_hash:
+        raise _other_config(folder, manifest, plan.config_hash)
     if manifest.get("tokenizer_hash") != pair.tokenizer_hash:
         raise UserError(
             f"traces at {folder} were made with tokenizer {manifest.get('tokenizer_hash')} but pair {pair.name} now has "
@@ -279,8 +331,9 @@ def _check_resumable(folder: Path, manifest: dict, chash: str, pair, dtype: str,
             f"traces at {folder} were started in {manifest['dtype']} but this machine resolves pair.dtype to {dtype}; "
             f"pass pair.dtype={manifest['dtype']} to resume them, or overwrite=true to regenerate"
         )
-    if manifest.get("num_shards_planned") != n_planned:
-        raise UserError(f"{folder} plans {manifest.get('num_shards_planned')} shards but this run {n_planned}; rerun with overwrite=true")
+    if manifest.get("num_shards_planned") != plan.n_shards:
+        raise UserError(f"{folder} plans {manifest.get('num_shards_planned')} shards but this run {plan.n_shards}; "
+                        "rerun with overwrite=true")
 
 
 def verify_cmd(cfg: DictConfig, split: str) -> Path:
