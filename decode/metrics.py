@@ -192,7 +192,7 @@ def summarize(rows: list[dict], target_rows: list[dict], profile, greedy: bool, 
 
 
 def is_tie(row: dict) -> bool:
-    """A mismatched greedy row whose first divergence is a near tie (runner.tie_margins sets both numbers)."""
+    """A mismatched greedy row whose first divergence is a near tie (decode.run.tie_margins sets both numbers)."""
     return row.get("divergence_margin", math.inf) < row.get("divergence_tol", -math.inf)
 
 

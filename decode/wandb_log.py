@@ -30,7 +30,7 @@ from omegaconf import DictConfig
 
 from utils import wandb_run
 
-# the summary.md columns (decode.runner.markdown_table) + the flags that qualify a row
+# the summary.md columns (decode.report.markdown_table) + the flags that qualify a row
 COLUMNS = ("tokens_per_s", "speedup", "speedup_std", "cost_model_speedup", "acceptance_rate", "mean_accepted_length",
            "target_calls_per_token", "draft_calls_per_token", "mean_draft_length", "policy_overhead_frac", "lossless",
            "lossless_up_to_ties")

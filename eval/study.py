@@ -184,7 +184,7 @@ RERUNS = [("sprinter", "sprinter_rerun"), ("disco_mbpp_rerun", "disco_mbpp_rerun
 def repro_check(original: dict, rerun: dict) -> dict:
     """Per method of the rerun: does its speedup land within the original table's spread (± std of per-prompt
     speedups) of the original row? Methods the original lacks are skipped."""
-    from decode.runner import method_entry
+    from decode.methods import method_entry
 
     out = {}
     for method, r in rerun.items():

@@ -361,7 +361,7 @@ def test_real_mbpp_greedy_lossless_constant_and_svip():
     from omegaconf import OmegaConf
 
     from data_gen.prompts import load_prompts
-    from decode.runner import tokenize_prompts
+    from decode.run import tokenize_prompts
     from models.pair import load_pair
     from utils.cli import CONF_DIR
 
@@ -385,7 +385,7 @@ def test_real_mbpp_greedy_lossless_constant_and_svip():
 def test_tie_margin_of_a_divergence(tiny_pair):
     """A greedy mismatch is diagnosed with the target's logit margin between the two tokens at the divergence."""
     from decode.metrics import agreement, summarize
-    from decode.runner import tie_margins
+    from decode.run import tie_margins
 
     ids = ids_of(tiny_pair, PROMPTS[0])
     ref = autoregressive(tiny_pair, ids, 8).tokens
@@ -511,7 +511,7 @@ def test_collect_runs_by_a_setting(tmp_path, tiny_pair):
 def test_tuned_matches_a_lone_head_by_file_stem(tmp_path):
     """A head tuned beside another (key learned:<stem>) keeps its threshold when a later run lists it alone (key
     learned); a head the file does not name keeps its own."""
-    from decode.runner import Method, apply_tuned
+    from decode.methods import Method, apply_tuned
 
     f = tmp_path / "tuned.json"
     f.write_text(json.dumps({"chosen": {"learned:disco_mbpp": {"threshold": 0.6}, "svip": {"h": 0.4}}}))

@@ -207,7 +207,8 @@ def test_grid_is_a_product_space_or_a_union_of_them():
     known."""
     from omegaconf import OmegaConf
 
-    from decode.runner import Method, grid_params, tune_grid
+    from decode.methods import Method
+    from decode.tune import grid_params, tune_grid
 
     cfg = OmegaConf.create({"tune": {"grid": {"learned": {"threshold": [None, 0.5],
                                                           "also": [{"rule": ["expected_value"], "b": [0.0, 1.0]},

@@ -1,0 +1,199 @@
+"""Run one split: target-only once + every method on the same prompts, in one process; no files written here.
+
+Per prompt, target-only decoding runs first and then each method (interleaved, so slow drift of a shared machine
+hits every method alike); a warm-up generation of every method precedes all timing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+from omegaconf import DictConfig
+from tqdm import tqdm
+
+from decode import metrics
+from decode.loop import autoregressive, speculative
+from decode.methods import Method
+from decode.policies import build_policy
+from utils.cli import UserError
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """The generation settings every method of a run shares (read once from the config)."""
+
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    warmup: bool = True
+    tie_tol: float | None = None  # greedy near-tie tolerance; None: `tie_ulps` ulps of the pair's dtype
+    tie_ulps: float = 4.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @classmethod
+    def from_cfg(cls, cfg: DictConfig) -> Decoding:
+        return cls(int(cfg.max_new_tokens), float(cfg.temperature), float(cfg.top_p), int(cfg.seed),
+                   bool(cfg.get("warmup", True)), cfg.get("tie_tol"), float(cfg.get("tie_ulps", 4)))
+
+
+@dataclass
+class SplitResult:
+    summary: dict  # {method key: metrics}, target first
+    rows: list[dict]  # one per method × prompt
+    by_task: dict  # {task: summary}; {} unless the prompts carry several tasks (Spec-Bench)
+
+
+def check_settings(cfg: DictConfig) -> None:
+    """Everything the user can get wrong that needs no model: fail before loading anything."""
+    if int(cfg.max_new_tokens) <= 0:
+        raise UserError(f"max_new_tokens must be > 0, got {cfg.max_new_tokens}")
+    if float(cfg.temperature) < 0:
+        raise UserError(f"temperature must be ≥ 0 (0 = greedy), got {cfg.temperature}")
+    if not 0 < float(cfg.top_p) <= 1:
+        raise UserError(f"top_p must be in (0, 1], got {cfg.top_p}")
+    if float(cfg.temperature) == 0 and float(cfg.top_p) < 1:
+        raise UserError("top_p < 1 only applies when sampling; set temperature > 0 or top_p=1")
+    if not cfg.policies:
+        raise UserError("policies is empty; list some, e.g. policies=[constant,svip]")
+
+
+def tokenize_prompts(pair, prompts, max_new_tokens: int) -> list[list[int]]:
+    """Rendered, tokenized prompts; refuses one that does not fit the models' context with its new tokens."""
+    from data_gen.prompts import render
+
+    ctx = min(
+        int(getattr(m.config, "max_position_embeddings", 1 << 30) or (1 << 30)) for m in (pair.target, pair.draft)
+    )
+    out = []
+    for p in prompts:
+        ids = pair.tokenizer(render(p, pair.tokenizer, pair.chat_template),
+                             add_special_tokens=not pair.chat_template)["input_ids"]
+        if not ids:
+            raise UserError(f"prompt {p.prompt_id} is empty after tokenization")
+        if len(ids) + max_new_tokens > ctx:
+            raise UserError(
+                f"prompt {p.prompt_id} has {len(ids)} tokens + max_new_tokens={max_new_tokens} > context {ctx}; "
+                "lower max_new_tokens or use shorter prompts"
+            )
+        out.append(ids)
+    return out
+
+
+def _generate(pair, policy, prompt_ids: list[int], d: Decoding, eos: set[int], seed: int, lookahead=None):
+    """One generation: target-only when `policy` is None, else speculative with it (transformers' assisted
+    generation, an `external` policy, runs its own loop)."""
+    g = torch.Generator()
+    g.manual_seed(seed)
+    if policy is None:
+        return autoregressive(pair, prompt_ids, d.max_new_tokens, d.temperature, d.top_p, eos, g)
+    if getattr(policy, "external", False):
+        return policy.generate(prompt_ids, d.max_new_tokens, d.temperature, d.top_p, eos, g)
+    return speculative(pair, prompt_ids, policy, d.max_new_tokens, d.temperature, d.top_p, eos, g,
+                       lookahead=lookahead)
+
+
+def run_split(pair, prompts, methods: list[Method], profile, d: Decoding, desc: str) -> SplitResult:
+    """Target-only + methods on `prompts`. `profile` (models.cost) costs the cost-model speedup."""
+    ids = tokenize_prompts(pair, prompts, d.max_new_tokens)
+    eos = pair.eos_ids
+
+    def fresh():  # adaptive state (heuristic K, AdaEDL λ) must not carry the warm-up into the run
+        return {m.key: build_policy(m.spec, m.params, pair=pair, profile=profile) for m in methods}
+
+    policies = fresh()
+    if d.warmup:  # first calls allocate caches and pick kernels: keep them out of the timings
+        warm = replace(d, max_new_tokens=min(8, d.max_new_tokens))
+        ref = _generate(pair, None, ids[0], warm, eos, d.seed)
+        for pol in policies.values():
+            _generate(pair, pol, ids[0], warm, eos, d.seed, ref.tokens)
+        policies = fresh()
+    rows = _decode_prompts(pair, prompts, ids, methods, policies, d, eos, desc)
+    if d.greedy:
+        tie_margins(pair, rows, dict(zip([p.prompt_id for p in prompts], ids)), policies, d.tie_tol, d.tie_ulps)
+    cost_ratio = _measured_cost_ratio(rows, policies)
+    tasks = sorted({r["task"] for r in rows if r.get("task")})
+    by_task = {t: _summarize([r for r in rows if r.get("task") == t], methods, policies, profile, d.greedy,
+                             cost_ratio) for t in tasks} if len(tasks) > 1 else {}
+    return SplitResult(_summarize(rows, methods, policies, profile, d.greedy, cost_ratio), rows, by_task)
+
+
+def _decode_prompts(pair, prompts, ids, methods, policies, d: Decoding, eos, desc: str) -> list[dict]:
+    """Per prompt: target-only, then every method with the same seed; one row per method × prompt."""
+    rows: list[dict] = []
+    bar = tqdm(total=len(prompts) * (1 + len(methods)), desc=desc, unit="gen")
+    for i, (prompt, prompt_ids) in enumerate(zip(prompts, ids)):
+        seed = d.seed * 100003 + i
+        task = {"task": prompt.meta["task"]} if prompt.meta.get("task") else {}
+        ref = _generate(pair, None, prompt_ids, d, eos, seed)
+        bar.update()
+        ref_text = pair.tokenizer.decode(ref.tokens, skip_special_tokens=True)
+        rows.append({"method": "target", "prompt_id": prompt.prompt_id, "prompt_tokens": len(prompt_ids),
+                     **metrics.record(ref, None), "tokens": ref.tokens, "text": ref_text, **task})
+        if prompt.reference and any(p.approximate for p in policies.values()):
+            rows[-1]["rouge_l_ref"] = metrics.rouge_l(ref_text, prompt.reference)
+        for m in methods:
+            pol = policies[m.key]
+            res = _generate(pair, pol, prompt_ids, d, eos, seed, ref.tokens if d.greedy else None)
+            bar.update()
+            row = {"method": m.key, "prompt_id": prompt.prompt_id, "prompt_tokens": len(prompt_ids),
+                   **metrics.record(res, ref), "tokens": res.tokens, **task}
+            row["text"] = pair.tokenizer.decode(res.tokens, skip_special_tokens=True)
+            if pol.approximate:
+                row["rouge_l_target"] = metrics.rouge_l(row["text"], ref_text)
+                row["rouge_l_ref"] = metrics.rouge_l(row["text"], prompt.reference) if prompt.reference else None
+            rows.append(row)
+    bar.close()
+    return rows
+
+
+def _measured_cost_ratio(rows: list[dict], policies: dict) -> float:
+    """Draft step time ÷ target step time from our loop's timed steps (transformers' loop exposes no split)."""
+    ours = [r for r in rows if r["method"] != "target" and not getattr(policies[r["method"]], "external", False)]
+    target_all = [r for r in rows if r["method"] == "target"]
+    return metrics.measured_c(sum(r["draft_s"] for r in ours), sum(r["draft_calls"] for r in ours),
+                              sum(r["target_s"] for r in target_all),
+                              sum(r["target_calls"] - 1 for r in target_all))  # target_s excludes the prefill call
+
+
+def _summarize(rows: list[dict], methods: list[Method], policies: dict, profile, greedy: bool,
+               cost_ratio: float) -> dict:
+    target_rows = [r for r in rows if r["method"] == "target"]
+    summary = {"target": metrics.target_summary(target_rows)}
+    for m in methods:
+        pol = policies[m.key]
+        s = metrics.summarize([r for r in rows if r["method"] == m.key], target_rows, profile, greedy,
+                              not pol.approximate)
+        s.update(oracle=pol.oracle, approximate=pol.approximate, params=pol.describe(), measured_c=cost_ratio,
+                 external=bool(getattr(pol, "external", False)))
+        summary[m.key] = s
+    summary["target"]["measured_c"] = cost_ratio
+    return summary
+
+
+@torch.inference_mode()
+def tie_margins(pair, rows: list[dict], prompt_ids: dict, policies: dict, tie_tol=None, tie_ulps: float = 4.0) -> None:
+    """For each greedy exact output that differs from target-only: the target's logit margin between the two
+    tokens at the first divergence, from one untimed full pass over prompt + common prefix, and the tolerance below
+    which that margin is a tie (`tie_tol` if set, else `tie_ulps` ulps of the pair's dtype at the larger logit).
+    A margin within it is a near-tie argmax flipped by low-precision numerics (a 1-token step vs a multi-token
+    verify pass round differently), not a bug."""
+    ref = {r["prompt_id"]: r["tokens"] for r in rows if r["method"] == "target"}
+    for r in rows:
+        if r["method"] == "target" or r.get("matches_target", True) or policies[r["method"]].approximate:
+            continue
+        j = r["prefix_match"]
+        a, b = ref[r["prompt_id"]], r["tokens"]
+        if j >= min(len(a), len(b)):  # one output is a prefix of the other (EOS): not a tie
+            r["divergence_margin"], r["divergence_tol"] = float("inf"), 0.0
+            continue
+        x = torch.tensor([prompt_ids[r["prompt_id"]] + a[:j]], device=pair.device)
+        logits = pair.target(x).logits[0, -1, : pair.vocab_size].float()
+        r["divergence_margin"] = float((logits[a[j]] - logits[b[j]]).abs())
+        magnitude = float(torch.maximum(logits[a[j]].abs(), logits[b[j]].abs()))
+        r["divergence_tol"] = (float(tie_tol) if tie_tol is not None
+                               else metrics.tie_tolerance(str(pair.dtype), magnitude, tie_ulps))
