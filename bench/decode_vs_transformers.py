@@ -29,7 +29,7 @@ from data_gen.prompts import load_prompts  # noqa: E402
 from decode.loop import autoregressive, speculative  # noqa: E402
 from decode.metrics import agreement  # noqa: E402
 from decode.policies import Constant  # noqa: E402
-from decode.runner import tokenize_prompts  # noqa: E402
+from decode.run import tokenize_prompts  # noqa: E402
 from models.pair import load_pair  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
@@ -55,7 +55,7 @@ def ours(pair, ids: list[int], k: int, max_new: int, eos: set[int]) -> tuple[lis
     return res.tokens, res.wall_s
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pair", default="smollm2_135m")
     ap.add_argument("--dataset", default="mbpp")
@@ -67,30 +67,26 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads for both sides (1 is far faster on a busy shared CPU)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "decode_vs_transformers.json"))
-    args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    return ap.parse_args()
 
-    pair = load_pair(args.pair)
-    dataset = OmegaConf.load(REPO / "conf" / "dataset" / f"{args.dataset}.yaml")
-    prompts = load_prompts(dataset, args.split, args.limit)
-    ids = tokenize_prompts(pair, prompts, args.max_new_tokens)
-    eos = pair.eos_ids
 
-    # the layer-subset draft shares modules with the target; give transformers its own copy so nothing is shared
+def constant_assistant(pair, k: int):
+    """The draft as transformers' assistant, drafting exactly k tokens per round. The layer-subset draft shares
+    modules with the target; transformers gets its own copy so nothing is shared."""
     assistant = copy.deepcopy(pair.draft)
     gc = assistant.generation_config
-    gc.num_assistant_tokens = args.k
+    gc.num_assistant_tokens = k
     gc.num_assistant_tokens_schedule = "constant"
     gc.assistant_confidence_threshold = 0.0
+    return assistant
 
-    warm = args.max_new_tokens  # warm-up both over the full length (cache growth, allocator, kernel choice)
-    hf_assisted(pair, assistant, ids[0], warm, eos)
-    ours(pair, ids[0], args.k, warm, eos)
-    rows, ours_s, hf_s, match = [], 0.0, 0.0, True
+
+def timed_rows(pair, assistant, prompts, ids, args, eos: set[int]) -> list[dict]:
+    """Both sides on every prompt, `args.repeats` times, alternating which goes first (so neither always runs on a
+    just-warmed cache); rows keep both outputs under `_ours` / `_hf` for `explain_mismatches`."""
+    rows = []
     for rep in range(args.repeats):
         for p, x in zip(prompts, ids):
-            # alternate which side goes first, so neither always runs on a just-warmed cache
             if (rep + len(rows)) % 2 == 0:
                 t_o, s_o = ours(pair, x, args.k, args.max_new_tokens, eos)
                 t_h, s_h = hf_assisted(pair, assistant, x, args.max_new_tokens, eos)
@@ -98,18 +94,19 @@ def main() -> None:
                 t_h, s_h = hf_assisted(pair, assistant, x, args.max_new_tokens, eos)
                 t_o, s_o = ours(pair, x, args.k, args.max_new_tokens, eos)
             same = t_o == t_h
-            match &= same
-            ours_s += s_o
-            hf_s += s_h
             rows.append({"prompt_id": p.prompt_id, "repeat": rep, "ours_s": s_o, "transformers_s": s_h,
                          "ours_tokens": len(t_o), "transformers_tokens": len(t_h), "match": same,
                          "first_divergence": None if same else agreement(t_o, t_h)["prefix_match"],
                          "_ours": t_o, "_hf": t_h})
             print(f"{p.prompt_id}: ours {s_o:.3f}s ({len(t_o)} tok)  transformers {s_h:.3f}s ({len(t_h)} tok)  "
                   f"match={same}", flush=True)
-    # untimed: where the two disagree, which one equals plain greedy decoding? (bf16 near-ties can flip an argmax
-    # when the same positions are computed in differently shaped passes; each side is compared with its own
-    # target-only decoding: ours = decode.loop.autoregressive, transformers = target.generate without assistant)
+    return rows
+
+
+def explain_mismatches(pair, rows: list[dict], ids, args, eos: set[int]) -> None:
+    """Untimed: where the two disagree, which one equals plain greedy decoding? (bf16 near-ties can flip an argmax
+    when the same positions are computed in differently shaped passes; each side is compared with its own
+    target-only decoding: ours = decode.loop.autoregressive, transformers = target.generate without assistant)"""
     for row, x in zip(rows, ids * args.repeats):
         t_o, t_h = row.pop("_ours"), row.pop("_hf")
         if row["match"] or row["repeat"]:
@@ -118,6 +115,25 @@ def main() -> None:
         plain, _ = hf_assisted(pair, None, x, args.max_new_tokens, eos)
         row.update(ours_equals_own_target_only=t_o == ar, transformers_equals_own_target_only=t_h == plain,
                    target_only_ours_vs_transformers_first_divergence=agreement(ar, plain)["prefix_match"])
+
+
+def main() -> None:
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    pair = load_pair(args.pair)
+    dataset = OmegaConf.load(REPO / "conf" / "dataset" / f"{args.dataset}.yaml")
+    prompts = load_prompts(dataset, args.split, args.limit)
+    ids = tokenize_prompts(pair, prompts, args.max_new_tokens)
+    eos = pair.eos_ids
+    assistant = constant_assistant(pair, args.k)
+    warm = args.max_new_tokens  # warm-up both over the full length (cache growth, allocator, kernel choice)
+    hf_assisted(pair, assistant, ids[0], warm, eos)
+    ours(pair, ids[0], args.k, warm, eos)
+    rows = timed_rows(pair, assistant, prompts, ids, args, eos)
+    ours_s, hf_s = sum(r["ours_s"] for r in rows), sum(r["transformers_s"] for r in rows)
+    match = all(r["match"] for r in rows)
+    explain_mismatches(pair, rows, ids, args, eos)
     result = {
         "ours_s": ours_s,
         "transformers_s": hf_s,
