@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO))
 
 from data_gen.prompts import load_prompts, render  # noqa: E402
 from models.pair import layer_subset, load_pair  # noqa: E402
-from train.distill import acceptance, cost_ratio, generate_continuations, leviathan_speedup  # noqa: E402
+from train.distill import acceptance, generate_continuations, leviathan_speedup, measure_cost_ratio  # noqa: E402
 
 BARS = {"sum_min": 0.50, "greedy_agree": 0.50, "c": 0.30, "speedup": 1.3}
 
@@ -59,7 +59,7 @@ def measure(draft, pair, code, text, cost_ids) -> dict:
 
     a = acceptance(draft, pair.target, code, pair.vocab_size, pair.device)
     w = acceptance(draft, pair.target, text, pair.vocab_size, pair.device)
-    cost = cost_ratio(draft, pair.target, cost_ids, steps=32, repeats=7)
+    cost = measure_cost_ratio(draft, pair.target, cost_ids, steps=32, repeats=7)
     prof = measure_profile(dataclasses.replace(pair, draft=draft),
                            OmegaConf.merge(DEFAULTS, {"max_n": 9, "prefill_lengths": [32], "repeats": 21}), False)
     row = {"mbpp_sum_min": a["sum_min"], "mbpp_greedy_agree": a["greedy_agree"], "mbpp_tokens": a["tokens"],

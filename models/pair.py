@@ -240,7 +240,7 @@ def _load_hf(path: str, dtype: torch.dtype, revision: str | None = None):
     return model, tok
 
 
-def _decoder_parts(model):
+def decoder_parts(model):
     """The decoder stack of a Llama-like model (Llama, Qwen2, Mistral, SmolLM): `model.model.layers`."""
     inner = getattr(model, "model", None)
     if inner is None or not hasattr(inner, "layers"):
@@ -263,7 +263,7 @@ def layer_subset(target, layers: list[int], share: bool = True):
     With `share=True` the layers' weights are shared too (no memory cost); with `share=False` they are copied, so a
     student can be trained (or have its own weights loaded) without touching the target.
     """
-    inner = _decoder_parts(target)
+    inner = decoder_parts(target)
     n = len(inner.layers)
     if not layers or any(not 0 <= i < n for i in layers):
         raise UserError(f"layer subset {list(layers)} must be non-empty indices of the target's {n} layers")
@@ -273,7 +273,7 @@ def layer_subset(target, layers: list[int], share: bool = True):
         config.layer_types = [config.layer_types[i] for i in layers]
     with torch.device("meta"):
         draft = type(target)(config)
-    d_inner = _decoder_parts(draft)
+    d_inner = decoder_parts(draft)
     d_inner.embed_tokens = inner.embed_tokens
     d_inner.norm = inner.norm
     if hasattr(inner, "rotary_emb"):
@@ -315,7 +315,7 @@ def load_student(target, path: str | Path):
         tensors = {k: fh.get_tensor(k) for k in fh.keys()}
     draft = layer_subset(target, info["layers"], share=False)
     if "norm" in info.get("own_modules", []):
-        _decoder_parts(draft).norm = copy.deepcopy(_decoder_parts(target).norm)
+        decoder_parts(draft).norm = copy.deepcopy(decoder_parts(target).norm)
     own = draft.state_dict()
     unknown = [k for k in tensors if k not in own]
     if unknown:

@@ -10,7 +10,8 @@ from omegaconf import OmegaConf
 from safetensors import safe_open
 
 from models.pair import STUDENT_META, layer_subset, load_pair, load_student
-from train.distill import collate, leviathan_speedup, make_student, save_student, topk_kl
+from train.distill import leviathan_speedup, make_student, save_student
+from train.distill_module import collate, topk_kl
 
 
 def test_student_shares_frozen_embeddings_and_head(tiny_pair):

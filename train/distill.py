@@ -27,21 +27,18 @@ import copy
 import hashlib
 import json
 import logging
-import math
 import os
-import random
-import shutil
 import sys
 import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from eval.theory import best_gamma
-from models.pair import STUDENT_META, Pair, cache_root, eos_ids, _decoder_parts, layer_subset, load_pair, load_student
+from models.pair import (STUDENT_META, Pair, cache_root, decoder_parts, eos_ids, layer_subset, load_pair,
+                         load_student)
 from utils.cli import UserError, check_name, hydra_entry
 from utils.files import atomic_write
 
@@ -55,9 +52,9 @@ CODE_VERSION = "distill-1"
 def make_student(target, layers: list[int], own_norm: bool = True):
     """Trainable copies of the target's `layers` (+ final norm) in fp32; embeddings and LM head shared and frozen."""
     student = layer_subset(target, list(layers), share=False)
-    inner = _decoder_parts(student)
+    inner = decoder_parts(student)
     if own_norm:
-        inner.norm = copy.deepcopy(_decoder_parts(target).norm)
+        inner.norm = copy.deepcopy(decoder_parts(target).norm)
     for p in student.parameters():
         p.requires_grad_(False)
     for module in own_modules(student, own_norm):
@@ -68,7 +65,7 @@ def make_student(target, layers: list[int], own_norm: bool = True):
 
 
 def own_modules(student, own_norm: bool) -> list[torch.nn.Module]:
-    inner = _decoder_parts(student)
+    inner = decoder_parts(student)
     return list(inner.layers) + ([inner.norm] if own_norm else [])
 
 
@@ -153,7 +150,8 @@ def teacher_text(pair: Pair, texts: list[str], topk: int, chunk_tokens: int, des
     return out
 
 
-def _prompts(pair: Pair, dataset: str, split: str, limit, chat: bool | None = None):
+def dataset_prompts(pair: Pair, dataset: str, split: str, limit, chat: bool | None = None):
+    """(prompts, rendered texts) of a dataset split; a test split is refused (distillation data never sees one)."""
     from data_gen.prompts import load_prompts, render
 
     if split == "test":
@@ -164,7 +162,7 @@ def _prompts(pair: Pair, dataset: str, split: str, limit, chat: bool | None = No
     return prompts, [render(p, pair.tokenizer, use_chat) for p in prompts]
 
 
-def _cached(path: Path, make) -> list[dict]:
+def cached(path: Path, make) -> list[dict]:
     """Load a cached list of items, or make and store it atomically."""
     if path.is_file():
         return torch.load(path, weights_only=True)
@@ -173,7 +171,7 @@ def _cached(path: Path, make) -> list[dict]:
     return items
 
 
-def _key(*parts) -> str:
+def cache_key(*parts) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
@@ -185,25 +183,25 @@ def build_data(pair: Pair, cfg: DictConfig) -> tuple[list[dict], list[dict], lis
     base = (pair.pair_id, pair.tokenizer_hash, CODE_VERSION)
     train = []
     for src in d.sources:
-        key = _key(base, OmegaConf.to_container(src), d.max_new_tokens, d.temperature, d.topk, d.max_len, cfg.seed)
-        _, texts = _prompts(pair, src.dataset, src.split, src.get("limit"))
-        train += _cached(root / f"gen-{src.dataset}-{src.split}-{key}.pt", lambda: generate_continuations(
+        key = cache_key(base, OmegaConf.to_container(src), d.max_new_tokens, d.temperature, d.topk, d.max_len, cfg.seed)
+        _, texts = dataset_prompts(pair, src.dataset, src.split, src.get("limit"))
+        train += cached(root / f"gen-{src.dataset}-{src.split}-{key}.pt", lambda: generate_continuations(
             pair, texts, int(d.max_new_tokens), int(d.gen_batch_size), float(d.temperature), int(d.topk),
             int(d.max_len), int(cfg.seed), f"target continuations {src.dataset}/{src.split}"))
     if d.get("text") and int(d.text.chunks) > 0:
         t = d.text
-        prompts, _ = _prompts(pair, t.dataset, t.split, int(t.chunks))
+        prompts, _ = dataset_prompts(pair, t.dataset, t.split, int(t.chunks))
         texts = [f"{p.text} {p.reference}" for p in prompts]
-        key = _key(base, OmegaConf.to_container(t), d.topk)
-        train += _cached(root / f"text-{t.dataset}-{t.split}-{key}.pt",
+        key = cache_key(base, OmegaConf.to_container(t), d.topk)
+        train += cached(root / f"text-{t.dataset}-{t.split}-{key}.pt",
                          lambda: teacher_text(pair, texts, int(d.topk), int(t.chunk_tokens), "teacher on text"))
     heldout = []
     for src in d.heldout:
-        key = _key(base, OmegaConf.to_container(src), 64, d.max_len)
-        _, texts = _prompts(pair, src.dataset, src.split, src.get("limit"))
-        heldout += _cached(root / f"heldout-{src.dataset}-{src.split}-{key}.pt", lambda: generate_continuations(
+        key = cache_key(base, OmegaConf.to_container(src), 64, d.max_len)
+        _, texts = dataset_prompts(pair, src.dataset, src.split, src.get("limit"))
+        heldout += cached(root / f"heldout-{src.dataset}-{src.split}-{key}.pt", lambda: generate_continuations(
             pair, texts, 64, int(d.gen_batch_size), 0.0, 1, int(d.max_len), int(cfg.seed), "held-out continuations"))
-    prompts, _ = _prompts(pair, "wikitext2", "validation", int(d.heldout_text_chunks))
+    prompts, _ = dataset_prompts(pair, "wikitext2", "validation", int(d.heldout_text_chunks))
     heldout_text = [{"ids": torch.tensor(pair.tokenizer(f"{p.text} {p.reference}", add_special_tokens=False)
                                          ["input_ids"][:256], dtype=torch.int32), "start": 1} for p in prompts]
     if not train:
@@ -256,8 +254,9 @@ def step_time(model, ids: torch.Tensor, steps: int) -> float:
     return times[len(times) // 2]
 
 
-def cost_ratio(draft, target, ids: torch.Tensor, steps: int = 32, repeats: int = 5) -> dict:
-    """c = draft decode step / target decode step, both medians over interleaved repeats (robust to a busy CPU)."""
+def measure_cost_ratio(draft, target, ids: torch.Tensor, steps: int = 32, repeats: int = 5) -> dict:
+    """The cost ratio c = draft decode step / target decode step (key `c`), both medians over interleaved repeats
+    (robust to a busy CPU)."""
     step_time(draft, ids, 4), step_time(target, ids, 4)  # warm-up
     d, t = [], []
     for _ in range(repeats):
@@ -267,10 +266,10 @@ def cost_ratio(draft, target, ids: torch.Tensor, steps: int = 32, repeats: int =
     return {"c": d / t, "draft_step_ms": 1e3 * d, "target_step_ms": 1e3 * t}
 
 
-def leviathan_speedup(alpha: float, c: float, max_gamma: int = 32) -> dict:
+def leviathan_speedup(alpha: float, cost_ratio: float, max_gamma: int = 32) -> dict:
     """Leviathan et al. (2023) Thm 3.8 via eval.theory: the best constant γ ≥ 1 and its speedup; γ = 0 (speedup 1)
     when no γ beats target-only decoding."""
-    gamma, factor = best_gamma(alpha, c, max_gamma)
+    gamma, factor = best_gamma(alpha, cost_ratio, max_gamma)
     return {"speedup": factor, "gamma": gamma} if factor > 1.0 else {"speedup": 1.0, "gamma": 0}
 
 
@@ -282,7 +281,7 @@ def describe(draft, target, pair: Pair, heldout, heldout_text, cost_ids, measure
     row = {"heldout_sum_min": cont["sum_min"], "heldout_greedy_agree": cont["greedy_agree"],
            "heldout_text_sum_min": text["sum_min"], "heldout_tokens": cont["tokens"]}
     if measure_cost:
-        row.update(cost_ratio(draft, target, cost_ids))
+        row.update(measure_cost_ratio(draft, target, cost_ids))
         row["speedup_sampling"] = leviathan_speedup(row["heldout_sum_min"], row["c"])
         row["speedup_greedy"] = leviathan_speedup(row["heldout_greedy_agree"], row["c"])
     return row
@@ -301,157 +300,52 @@ def print_table(rows: dict[str, dict]) -> None:
     sys.stdout.flush()
 
 
-# ---------------------------------------------------------------------------------------------------------- training
-
-
-def topk_kl(logits: torch.Tensor, vals: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-position KL(p||q) with p known on k tokens + the rest mass: (KL, cross-entropy), both (N,).
-
-    CE = -Σ_k p_i log q_i - p_rest log q_rest, where q_rest = 1 - Σ_k q_i; KL = CE - H(p) with the same grouping.
-    """
-    logq = torch.log_softmax(logits.float(), -1)
-    lq = logq.gather(-1, idx.long())
-    p = vals.float()
-    p_rest = (1 - p.sum(-1)).clamp_min(0)
-    q_rest = (1 - lq.exp().sum(-1)).clamp_min(1e-8)
-    ce = -(p * lq).sum(-1) - p_rest * q_rest.log()
-    neg_h = (p * p.clamp_min(1e-12).log()).sum(-1) + p_rest * p_rest.clamp_min(1e-12).log()
-    return ce + neg_h, ce
-
-
-class LengthBatches(torch.utils.data.Sampler):
-    """Batches of similar-length sequences (little padding), in a fresh random order every epoch."""
-
-    def __init__(self, lengths: list[int], batch_size: int, seed: int):
-        order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-        self.batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
-        self.rng = random.Random(seed)
-
-    def __iter__(self):
-        batches = list(self.batches)
-        self.rng.shuffle(batches)
-        return iter(batches)
-
-    def __len__(self):
-        return len(self.batches)
-
-
-def collate(items: list[dict], pad_id: int) -> dict:
-    """Right-padded inputs ids[:-1], and the teacher's top-k aligned to the positions that predict ids[start:]."""
-    width = max(len(it["ids"]) for it in items) - 1
-    k = items[0]["vals"].shape[-1]
-    x = torch.full((len(items), width), pad_id, dtype=torch.long)
-    att = torch.zeros_like(x)
-    mask = torch.zeros((len(items), width), dtype=torch.bool)
-    vals = torch.zeros((len(items), width, k), dtype=torch.float16)
-    idx = torch.zeros((len(items), width, k), dtype=torch.int32)
-    for r, it in enumerate(items):
-        ids, s = it["ids"].long(), int(it["start"])
-        n = len(ids) - 1
-        x[r, :n], att[r, :n] = ids[:-1], 1
-        mask[r, s - 1 : n] = True
-        vals[r, s - 1 : n], idx[r, s - 1 : n] = it["vals"], it["idx"]
-    return {"x": x, "att": att, "mask": mask, "vals": vals[mask], "idx": idx[mask]}
-
-
-def _lightning():
-    import lightning as L
-
-    class DistillModule(L.LightningModule):
-        """The student and its KL objective; the frozen shared embeddings/head are not optimised."""
-
-        def __init__(self, student, vocab: int, tcfg: DictConfig):
-            super().__init__()
-            self.student, self.vocab, self.tcfg = student, vocab, tcfg
-            self.t0 = None
-
-        def training_step(self, batch, _):
-            inner = _decoder_parts(self.student)
-            h = inner(input_ids=batch["x"], attention_mask=batch["att"]).last_hidden_state
-            logits = self.student.lm_head(h[batch["mask"]])[:, : self.vocab]  # the head only where a loss is taken
-            kl, ce = topk_kl(logits, batch["vals"], batch["idx"])
-            loss = kl.mean()
-            if float(self.tcfg.ce_weight) > 0:
-                loss = loss + float(self.tcfg.ce_weight) * F.cross_entropy(logits.float(), batch["idx"][:, 0].long())
-            self.log("train/kl", kl.mean(), prog_bar=True)
-            self.log("train/tokens", float(batch["mask"].sum()), reduce_fx="sum")
-            return loss
-
-        def on_train_start(self):
-            self.t0 = time.time()
-
-        def progress(self, step: int) -> float:
-            frac = step / max(int(self.tcfg.max_steps), 1)
-            if self.tcfg.get("max_minutes") and self.t0 is not None:
-                frac = max(frac, (time.time() - self.t0) / (60 * float(self.tcfg.max_minutes)))
-            return min(frac, 1.0)
-
-        def configure_optimizers(self):
-            params = [p for p in self.student.parameters() if p.requires_grad]
-            opt = torch.optim.AdamW(params, lr=float(self.tcfg.lr), weight_decay=float(self.tcfg.weight_decay),
-                                    betas=(0.9, 0.98))
-            warm = int(self.tcfg.warmup_steps)
-
-            def factor(step):
-                if step < warm:
-                    return (step + 1) / warm
-                return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * self.progress(step)))
-
-            sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
-            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
-
-    class Snapshots(L.Callback):
-        """Every `val_every` steps (and at the end): held-out Σmin(p,q); write last and best student files."""
-
-        def __init__(self, run_dir: Path, every: int, evaluate, save):
-            self.run_dir, self.every, self.evaluate, self.save = run_dir, every, evaluate, save
-            self.best, self.history = -1.0, []
-
-        def check(self, trainer, module):
-            step = trainer.global_step
-            if self.history and self.history[-1]["step"] == step:
-                return
-            module.student.eval()
-            with torch.autocast(module.device.type, dtype=torch.bfloat16):
-                row = self.evaluate(module.student)
-            module.student.train()
-            row.update(step=step, minutes=(time.time() - module.t0) / 60 if module.t0 else 0.0)
-            self.history.append(row)
-            if trainer.logger is not None:  # straight to the logger: self.log is not allowed in on_train_end
-                trainer.logger.log_metrics({f"val/{k}": float(v) for k, v in row.items()
-                                            if isinstance(v, (int, float))}, step=step)
-            self.save(module.student, self.run_dir / "student-last.safetensors", row)
-            if row["heldout_sum_min"] > self.best:
-                self.best = row["heldout_sum_min"]
-                shutil.copyfile(self.run_dir / "student-last.safetensors", self.run_dir / "student-best.safetensors")
-            print(f"\n[step {step}, {row['minutes']:.1f} min] held-out Σmin {row['heldout_sum_min']:.3f} "
-                  f"greedy {row['heldout_greedy_agree']:.3f} text {row['heldout_text_sum_min']:.3f}", flush=True)
-            with open(self.run_dir / "history.json", "w") as fh:
-                json.dump(self.history, fh, indent=1)
-
-        def on_train_batch_end(self, trainer, module, *_):
-            if self.every > 0 and trainer.global_step % self.every == 0:
-                self.check(trainer, module)
-
-        def on_train_end(self, trainer, module):
-            self.check(trainer, module)
-
-    return L, DistillModule, Snapshots
-
-
 def _run_dir() -> Path:
     try:
         from hydra.core.hydra_config import HydraConfig
 
         return Path(HydraConfig.get().runtime.output_dir)
     except Exception:  # called outside Hydra (tests)
-        return Path(tempfile_dir())
+        import tempfile
+
+        return Path(tempfile.mkdtemp(prefix="distill-"))
 
 
-def tempfile_dir() -> str:
-    import tempfile
+def _frozen_target(cfg: DictConfig, layers: list[int]) -> Pair:
+    """The pair with its target frozen and a throwaway draft (never needs the shipped student file); refuses
+    `student.layers` that are not the target's."""
+    pcfg = copy.deepcopy(cfg.pair)
+    pcfg.draft = OmegaConf.create({"source": "layer_subset", "layers": [0]})
+    pair = load_pair(pcfg)
+    for p in pair.target.parameters():
+        p.requires_grad_(False)
+    n_layers = len(decoder_parts(pair.target).layers)
+    if not layers or any(not 0 <= i < n_layers for i in layers):
+        raise UserError(f"student.layers={layers} must be indices of the target's {n_layers} layers, e.g. [0,1,2,3]")
+    return pair
 
-    return tempfile.mkdtemp(prefix="distill-")
+
+def _fit(cfg: DictConfig, pair: Pair, student, train: list[dict], run_dir: Path, evaluate, save):
+    """Lightning fits the student on the cached teacher top-k; returns (trainer, snapshot callback, batches/epoch)."""
+    from lightning import Trainer
+    from lightning.pytorch.loggers import CSVLogger
+
+    from train.distill_module import DistillModule, LengthBatches, Snapshots, collate
+
+    tcfg = cfg.train
+    loader = torch.utils.data.DataLoader(
+        train, batch_sampler=LengthBatches([len(it["ids"]) for it in train], int(tcfg.batch_size), int(cfg.seed)),
+        collate_fn=lambda b: collate(b, pair.tokenizer.pad_token_id))
+    module = DistillModule(student, pair.vocab_size, tcfg)
+    snaps = Snapshots(run_dir, int(tcfg.val_every), evaluate, save)
+    trainer = Trainer(
+        accelerator="cuda" if pair.device.type == "cuda" else "cpu", devices=1, precision=str(tcfg.precision),
+        max_steps=int(tcfg.max_steps), max_time={"minutes": float(tcfg.max_minutes)} if tcfg.get("max_minutes") else None,
+        gradient_clip_val=float(tcfg.grad_clip), callbacks=[snaps], enable_checkpointing=False,
+        logger=CSVLogger(str(run_dir), name="csv"), log_every_n_steps=10, num_sanity_val_steps=0,
+        use_distributed_sampler=False, enable_model_summary=False, default_root_dir=str(run_dir))
+    trainer.fit(module, loader)
+    return trainer, snaps, len(loader)
 
 
 def distill(cfg: DictConfig) -> dict:
@@ -459,17 +353,9 @@ def distill(cfg: DictConfig) -> dict:
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg.threads))
     torch.manual_seed(int(cfg.seed))
-    L, DistillModule, Snapshots = _lightning()
     layers = [int(i) for i in cfg.student.layers]
-    pcfg = copy.deepcopy(cfg.pair)
-    pcfg.draft = OmegaConf.create({"source": "layer_subset", "layers": [0]})  # never needs the shipped student file
-    pair = load_pair(pcfg)
+    pair = _frozen_target(cfg, layers)
     target = pair.target
-    for p in target.parameters():
-        p.requires_grad_(False)
-    n_layers = len(_decoder_parts(target).layers)
-    if not layers or any(not 0 <= i < n_layers for i in layers):
-        raise UserError(f"student.layers={layers} must be indices of the target's {n_layers} layers, e.g. [0,1,2,3]")
     run_dir = _run_dir()
     run_dir.mkdir(parents=True, exist_ok=True)
     out = Path(cfg.out) if cfg.get("out") else run_dir / "student.safetensors"
@@ -490,46 +376,30 @@ def distill(cfg: DictConfig) -> dict:
     def evaluate(model, cost=False):
         return describe(model, target, pair, heldout, heldout_text, cost_ids, cost, teacher_cache)
 
-    own = ["norm"] if cfg.student.own_norm else []
     student = make_student(target, layers, bool(cfg.student.own_norm))
     rows = {"before": evaluate(layer_subset(target, layers), bool(cfg.measure_cost))}
     print_table(rows)
-
-    info = {"layers": layers, "own_modules": own, "target": pair.pair_id, "tokenizer_hash": pair.tokenizer_hash,
-            "code_version": CODE_VERSION, "command": "python -m " + " ".join(["train.distill"] + sys.argv[1:]),
+    info = {"layers": layers, "own_modules": ["norm"] if cfg.student.own_norm else [], "target": pair.pair_id,
+            "tokenizer_hash": pair.tokenizer_hash, "code_version": CODE_VERSION,
+            "command": "python -m " + " ".join(["train.distill"] + sys.argv[1:]),
             "recipe": OmegaConf.to_container(cfg, resolve=True)}
 
     def save(model, path, row):
         return save_student(model, path, {**info, "step": row.get("step"), "metrics": {
             k: v for k, v in row.items() if isinstance(v, (int, float))}}, pair.dtype)
 
-    tcfg = cfg.train
-    loader = torch.utils.data.DataLoader(
-        train, batch_sampler=LengthBatches([len(it["ids"]) for it in train], int(tcfg.batch_size), int(cfg.seed)),
-        collate_fn=lambda b: collate(b, pair.tokenizer.pad_token_id))
-    module = DistillModule(student, pair.vocab_size, tcfg)
-    snaps = Snapshots(run_dir, int(tcfg.val_every), evaluate, save)
-    from lightning.pytorch.loggers import CSVLogger
-
-    trainer = L.Trainer(
-        accelerator="cuda" if pair.device.type == "cuda" else "cpu", devices=1, precision=str(tcfg.precision),
-        max_steps=int(tcfg.max_steps), max_time={"minutes": float(tcfg.max_minutes)} if tcfg.get("max_minutes") else None,
-        gradient_clip_val=float(tcfg.grad_clip), callbacks=[snaps], enable_checkpointing=False,
-        logger=CSVLogger(str(run_dir), name="csv"), log_every_n_steps=10, num_sanity_val_steps=0,
-        use_distributed_sampler=False, enable_model_summary=False, default_root_dir=str(run_dir))
     t_train = time.time()
-    trainer.fit(module, loader)
+    trainer, snaps, batches = _fit(cfg, pair, student, train, run_dir, evaluate, save)
     t_train = time.time() - t_train
 
-    best = run_dir / "student-best.safetensors"
-    final = load_student(target, best).to(pair.device)
+    final = load_student(target, run_dir / "student-best.safetensors").to(pair.device)
     rows["after"] = evaluate(final, bool(cfg.measure_cost))
     print_table(rows)
     best_row = max(snaps.history, key=lambda r: r["heldout_sum_min"])
     metrics = {"before": rows["before"], "after": rows["after"], "best_step": best_row["step"],
                "steps": trainer.global_step, "train_minutes": t_train / 60, "data_minutes": t_data / 60,
                "train_sequences": len(train), "train_positions": n_train_tokens,
-               "positions_seen": int(trainer.global_step * n_train_tokens / max(len(loader), 1)),
+               "positions_seen": int(trainer.global_step * n_train_tokens / max(batches, 1)),
                "history": snaps.history}
     info.update(step=best_row["step"], steps_run=trainer.global_step, train_minutes=round(t_train / 60, 2),
                 metrics={k: v for k, v in rows["after"].items() if isinstance(v, (int, float))})

@@ -36,19 +36,19 @@ def _strings(x) -> list[str]:
 def count_tokens(pair, cfg: DictConfig) -> tuple[Counter, list[dict]]:
     """Token counts over the target's continuations and the human text the config names."""
     from models.pair import cache_root
-    from train.distill import _cached, _key, _prompts, generate_continuations
+    from train.distill import cache_key, cached, dataset_prompts, generate_continuations
 
     counts: Counter = Counter()
     sources = []
     g = cfg.generate
     for src in g.sources:
-        prompts, texts = _prompts(pair, src.dataset, src.split, src.get("limit"))  # never a test split
-        key = _key(pair.pair_id, pair.tokenizer_hash, str(pair.dtype), src.dataset, src.split, src.get("limit"),
-                   int(g.max_new_tokens), int(cfg.seed))
-        items = _cached(cache_root(pair.cfg) / "vocab_subset" / f"gen-{src.dataset}-{src.split}-{key}.pt",
-                        lambda: generate_continuations(pair, texts, int(g.max_new_tokens), int(g.batch_size), 0.0, 1,
-                                                       4096, int(cfg.seed),
-                                                       f"target continuations {src.dataset}/{src.split}"))
+        prompts, texts = dataset_prompts(pair, src.dataset, src.split, src.get("limit"))  # never a test split
+        key = cache_key(pair.pair_id, pair.tokenizer_hash, str(pair.dtype), src.dataset, src.split, src.get("limit"),
+                        int(g.max_new_tokens), int(cfg.seed))
+        items = cached(cache_root(pair.cfg) / "vocab_subset" / f"gen-{src.dataset}-{src.split}-{key}.pt",
+                       lambda: generate_continuations(pair, texts, int(g.max_new_tokens), int(g.batch_size), 0.0, 1,
+                                                      4096, int(cfg.seed),
+                                                      f"target continuations {src.dataset}/{src.split}"))
         n = 0
         for it in items:
             new = it["ids"][int(it["start"]):].tolist()
@@ -58,7 +58,7 @@ def count_tokens(pair, cfg: DictConfig) -> tuple[Counter, list[dict]]:
                         "tokens": n})
     for src in cfg.text:
         n = 0
-        for p in _prompts(pair, src.dataset, src.split, src.get("limit"))[0]:
+        for p in dataset_prompts(pair, src.dataset, src.split, src.get("limit"))[0]:
             for text in [p.text, *_strings(p.reference)]:
                 ids = pair.tokenizer(text, add_special_tokens=False)["input_ids"]
                 counts.update(ids)

@@ -1,0 +1,150 @@
+"""The distillation's training pieces: the top-k KL objective, length-bucketed batches, and the Lightning module and
+snapshot callback `train.distill` fits with (a module of its own so that importing train.distill, as
+train.vocab_subset and bench/distill_metrics.py do, does not import Lightning)."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import shutil
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig
+
+from models.pair import decoder_parts
+
+
+def topk_kl(logits: torch.Tensor, vals: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-position KL(p||q) with p known on k tokens + the rest mass: (KL, cross-entropy), both (N,).
+
+    CE = -Σ_k p_i log q_i - p_rest log q_rest, where q_rest = 1 - Σ_k q_i; KL = CE - H(p) with the same grouping.
+    """
+    logq = torch.log_softmax(logits.float(), -1)
+    lq = logq.gather(-1, idx.long())
+    p = vals.float()
+    p_rest = (1 - p.sum(-1)).clamp_min(0)
+    q_rest = (1 - lq.exp().sum(-1)).clamp_min(1e-8)
+    ce = -(p * lq).sum(-1) - p_rest * q_rest.log()
+    neg_h = (p * p.clamp_min(1e-12).log()).sum(-1) + p_rest * p_rest.clamp_min(1e-12).log()
+    return ce + neg_h, ce
+
+
+class LengthBatches(torch.utils.data.Sampler):
+    """Batches of similar-length sequences (little padding), in a fresh random order every epoch."""
+
+    def __init__(self, lengths: list[int], batch_size: int, seed: int):
+        order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+        self.batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+        self.rng = random.Random(seed)
+
+    def __iter__(self):
+        batches = list(self.batches)
+        self.rng.shuffle(batches)
+        return iter(batches)
+
+    def __len__(self):
+        return len(self.batches)
+
+
+def collate(items: list[dict], pad_id: int) -> dict:
+    """Right-padded inputs ids[:-1], and the teacher's top-k aligned to the positions that predict ids[start:]."""
+    width = max(len(it["ids"]) for it in items) - 1
+    k = items[0]["vals"].shape[-1]
+    x = torch.full((len(items), width), pad_id, dtype=torch.long)
+    att = torch.zeros_like(x)
+    mask = torch.zeros((len(items), width), dtype=torch.bool)
+    vals = torch.zeros((len(items), width, k), dtype=torch.float16)
+    idx = torch.zeros((len(items), width, k), dtype=torch.int32)
+    for r, it in enumerate(items):
+        ids, s = it["ids"].long(), int(it["start"])
+        n = len(ids) - 1
+        x[r, :n], att[r, :n] = ids[:-1], 1
+        mask[r, s - 1 : n] = True
+        vals[r, s - 1 : n], idx[r, s - 1 : n] = it["vals"], it["idx"]
+    return {"x": x, "att": att, "mask": mask, "vals": vals[mask], "idx": idx[mask]}
+
+
+class DistillModule(L.LightningModule):
+    """The student and its KL objective; the frozen shared embeddings/head are not optimised."""
+
+    def __init__(self, student, vocab: int, tcfg: DictConfig):
+        super().__init__()
+        self.student, self.vocab, self.tcfg = student, vocab, tcfg
+        self.t0 = None
+
+    def training_step(self, batch, _):
+        inner = decoder_parts(self.student)
+        h = inner(input_ids=batch["x"], attention_mask=batch["att"]).last_hidden_state
+        logits = self.student.lm_head(h[batch["mask"]])[:, : self.vocab]  # the head only where a loss is taken
+        kl, ce = topk_kl(logits, batch["vals"], batch["idx"])
+        loss = kl.mean()
+        if float(self.tcfg.ce_weight) > 0:
+            loss = loss + float(self.tcfg.ce_weight) * F.cross_entropy(logits.float(), batch["idx"][:, 0].long())
+        self.log("train/kl", kl.mean(), prog_bar=True)
+        self.log("train/tokens", float(batch["mask"].sum()), reduce_fx="sum")
+        return loss
+
+    def on_train_start(self):
+        self.t0 = time.time()
+
+    def progress(self, step: int) -> float:
+        frac = step / max(int(self.tcfg.max_steps), 1)
+        if self.tcfg.get("max_minutes") and self.t0 is not None:
+            frac = max(frac, (time.time() - self.t0) / (60 * float(self.tcfg.max_minutes)))
+        return min(frac, 1.0)
+
+    def configure_optimizers(self):
+        params = [p for p in self.student.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=float(self.tcfg.lr), weight_decay=float(self.tcfg.weight_decay),
+                                betas=(0.9, 0.98))
+        warm = int(self.tcfg.warmup_steps)
+
+        def factor(step):
+            if step < warm:
+                return (step + 1) / warm
+            return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * self.progress(step)))
+
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class Snapshots(L.Callback):
+    """Every `val_every` steps (and at the end): held-out Σmin(p,q); write last and best student files."""
+
+    def __init__(self, run_dir: Path, every: int, evaluate, save):
+        self.run_dir, self.every, self.evaluate, self.save = run_dir, every, evaluate, save
+        self.best, self.history = -1.0, []
+
+    def check(self, trainer, module):
+        step = trainer.global_step
+        if self.history and self.history[-1]["step"] == step:
+            return
+        module.student.eval()
+        with torch.autocast(module.device.type, dtype=torch.bfloat16):
+            row = self.evaluate(module.student)
+        module.student.train()
+        row.update(step=step, minutes=(time.time() - module.t0) / 60 if module.t0 else 0.0)
+        self.history.append(row)
+        if trainer.logger is not None:  # straight to the logger: self.log is not allowed in on_train_end
+            trainer.logger.log_metrics({f"val/{k}": float(v) for k, v in row.items()
+                                        if isinstance(v, (int, float))}, step=step)
+        self.save(module.student, self.run_dir / "student-last.safetensors", row)
+        if row["heldout_sum_min"] > self.best:
+            self.best = row["heldout_sum_min"]
+            shutil.copyfile(self.run_dir / "student-last.safetensors", self.run_dir / "student-best.safetensors")
+        print(f"\n[step {step}, {row['minutes']:.1f} min] held-out Σmin {row['heldout_sum_min']:.3f} "
+              f"greedy {row['heldout_greedy_agree']:.3f} text {row['heldout_text_sum_min']:.3f}", flush=True)
+        with open(self.run_dir / "history.json", "w") as fh:
+            json.dump(self.history, fh, indent=1)
+
+    def on_train_batch_end(self, trainer, module, *_):
+        if self.every > 0 and trainer.global_step % self.every == 0:
+            self.check(trainer, module)
+
+    def on_train_end(self, trainer, module):
+        self.check(trainer, module)
