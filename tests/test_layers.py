@@ -61,3 +61,23 @@ def test_stage_packages_import_each_other_without_a_cycle():
             break
     where = {f"{a}->{b}": edges[a][b][:3] for a, b in zip(cycle, cycle[1:])} if cycle else {}
     assert not cycle, f"import cycle {' -> '.join(cycle)}: {where}"
+
+
+def long_functions(limit: int = 80) -> list[str]:
+    """`path:name lines` for every function (methods and nested ones too) longer than `limit` lines, tests excluded."""
+    out = []
+    for path in sorted(REPO.rglob("*.py")):
+        rel = path.relative_to(REPO)
+        if rel.parts[0] in ("tests", ".venv", ".git") or any(p.startswith(".") for p in rel.parts):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > limit:
+                    out.append(f"{rel}:{node.name} {n}")
+    return out
+
+
+def test_at_most_two_functions_over_80_lines():
+    """Issue 17's bar: a job reads top to bottom in named steps; the two left are the decoding loop and train's run."""
+    assert len(long_functions()) <= 2, long_functions()
