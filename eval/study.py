@@ -2,98 +2,74 @@
 the issue's bar for the learned heads computed from results/disco_mbpp/summary.json (never typed in); the same
 DISCO table and verdict fill the marked study block of the top-level README.
 
-    python -m eval.study            (after the study_* decode runs; see the commands in the written file)
+    python -m eval.study            (after the study's decode runs; see the commands in the written file)
 
-A section whose folder is missing is listed as "not run" with its command, so the file says what is absent.
+What the study ran is data, not code: conf/study.yaml lists each section (its folder under results/, title,
+commands, tables and plots), the rerun pairs of the reproducibility check and the bar's thresholds; the decoding runs
+are the Hydra experiments in conf/experiment/study/. A section whose folder is missing is listed as "not run" with its
+command, so the file says what is absent. argparse, not Hydra: this reads finished result folders and composes no
+pair, dataset or model, so there is no config to compose beyond the manifest it is pointed at.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from utils.cli import UserError, fail
 
 REPO = Path(__file__).resolve().parent.parent
 
-# (folder under results/, title, command, tables shown (files in the folder), plots)
-SECTIONS = [
-    ("disco_mbpp", "1. DISCO table — MBPP test (greedy)", "python -m decode +experiment=study_disco_mbpp",
-     ["summary.md"], ["speedup.png", "acceptance_by_position.png"]),
-    ("disco_humaneval", "1b. HumanEval transfer (heads and parameters from MBPP)",
-     "python -m decode +experiment=study_disco_humaneval", ["summary.md"], ["speedup.png"]),
-    ("disco_mbpp_rerun", "1c. Three rows of table 1 rerun on another CPU (2-core AMD EPYC, no native bf16, so float32)",
-     "python -m decode +experiment=study_disco_mbpp mode=run tuned=results/disco_mbpp/tuned.json "
-     "\"policies=[static_opt,svip,learned:results/heads/disco_mbpp.ckpt]\" out_dir=results/disco_mbpp_rerun",
-     ["summary.md"], []),
-    ("disco_mbpp_rerun2", "1c'. The same three rows again on the same AMD machine",
-     "python -m decode +experiment=study_disco_mbpp mode=run tuned=results/disco_mbpp/tuned.json "
-     "\"policies=[static_opt,svip,learned:results/heads/disco_mbpp.ckpt]\" out_dir=results/disco_mbpp_rerun2",
-     ["summary.md"], []),
-    ("disco_mbpp_rerun_intel", "1c''. The same three rows on table 1's own machine (Intel, native bf16)",
-     "python -m decode +experiment=study_disco_mbpp mode=run tuned=results/disco_mbpp/tuned.json pair.dtype=bfloat16 "
-     "\"policies=[static_opt,svip,learned:results/heads/disco_mbpp.ckpt]\" out_dir=results/disco_mbpp_rerun_intel",
-     ["summary.md"], []),
-    ("heads_eval_mbpp", "1d. The MBPP heads as classifiers on test traces, next to the training-free scores",
-     "python -m data_gen pair=smollm2_135m dataset=mbpp trace=target_ar trace.max_new_tokens=64 trace.store_hidden=true "
-     "split=test limit=48 && python -m eval ckpt=[results/heads/disco_mbpp.ckpt,results/heads/specdecpp_mbpp.ckpt] "
-     "traces=traces/smollm2_135m--mbpp--target_ar-t0-p1-n64-s0-h--test-lim48 out_dir=results/heads_eval_mbpp",
-     ["report.md"], ["roc.png", "per_position_auroc.png"]),
-    ("disco_mbpp_gpu", "1e. Table 1 on an H100 (bf16; parameters and thresholds from the CPU tuning above)",
-     "python -m decode +experiment=study_disco_mbpp mode=run tuned=results/disco_mbpp/tuned.json threads=null "
-     "out_dir=results/disco_mbpp_gpu", ["summary.md"], ["speedup.png"]),
-    ("replay_mbpp", "1f. What limits the heads — table 1's policies replayed on MBPP traces under the cost model, "
-     "next to synthetic heads of known AUROC",
-     "python -m data_gen pair=smollm2_135m dataset=mbpp trace=target_ar trace.max_new_tokens=64 trace.store_hidden=true "
-     "split=validation limit=32 && (the test traces of 1d) && python -m eval.replay +experiment=study_disco_mbpp "
-     "replay.tune=traces/smollm2_135m--mbpp--target_ar-t0-p1-n64-s0-h--validation-lim32 "
-     "replay.eval=traces/smollm2_135m--mbpp--target_ar-t0-p1-n64-s0-h--test-lim48 "
-     "replay.c_from=results/disco_mbpp/run.json replay.out_dir=results/replay_mbpp; the check against decoding: "
-     "python -m decode +experiment=study_disco_mbpp mode=run tuned=results/replay_mbpp/tuned.json limit=48 "
-     "\"policies=[static_opt,svip,adaedl,learned:results/heads/disco_mbpp.ckpt,oracle]\" "
-     "out_dir=results/replay_mbpp/decode_check, then the replay again with "
-     "replay.compare=results/replay_mbpp/decode_check", ["replay.md"],
-     ["replay_auroc.png"]),
-    ("specbench_greedy", "2. Spec-Bench per task — greedy", "python -m decode +experiment=study_specbench",
-     ["by_task.md", "summary.md"], ["speedup.png"]),
-    ("specbench_t1", "2b. Spec-Bench per task — temperature 1.0", "python -m decode +experiment=study_specbench_t1",
-     ["by_task.md", "summary.md"], ["speedup.png"]),
-    ("temperature", "3. Sampling robustness — speedup vs temperature (MBPP test)",
-     "python -m decode -m +experiment=study_temperature temperature=0.7,1.0,1.3 && python -m eval.collect "
-     "results/temperature/t0.7 results/temperature/t1.0 results/temperature/t1.3 --by temperature --out "
-     "results/temperature", ["collect.md"], ["collect.png"]),
-    ("k_sweep", "4. How speculative — speedup vs constant K, measured and predicted (MBPP test)",
-     "python -m decode +experiment=study_k_sweep && python -m eval.k_sweep results/k_sweep", ["k_sweep.md"],
-     ["k_sweep.png"]),
-    ("draft_scale", "4b. Draft scale — 2-, 4- and 6-layer students (MBPP test)",
-     "python -m decode -m +experiment=study_draft_scale student=2layer,4layer,6layer && python -m eval.collect "
-     "results/draft_scale/2layer results/draft_scale/4layer results/draft_scale/6layer --by dir "
-     "--out results/draft_scale", ["collect.md"], ["collect.png"]),
-    ("sprinter", "5. SPRINTER — approximate verification vs exact SD (Spec-Bench summarization)",
-     "python -m decode +experiment=study_sprinter", ["summary.md"], []),
-    ("sprinter_theory", "5b. SPRINTER — predicted TVD (ε·TVD) on the verifiers' WikiText-2 test traces",
-     "python -m data_gen pair=smollm2_135m dataset=wikitext2 trace=interleaved trace.max_new_tokens=64 split=test "
-     "limit=48 && python -m eval ckpt=[results/heads/sprinter_tau1.ckpt,results/heads/sprinter_tau1.2.ckpt,"
-     "results/heads/sprinter_tau1.5.ckpt] threshold=0.5 "
-     "traces=traces/smollm2_135m--wikitext2--interleaved-t0-p1-n64-s0-h--test-lim48 out_dir=results/sprinter_theory",
-     ["report.md"], ["roc.png"]),
-    ("sprinter_rerun", "5c. One SPRINTER row rerun on the same machine as table 5",
-     "python -m decode +experiment=study_sprinter \"policies=[sprinter:results/heads/sprinter_tau1.2.ckpt]\" "
-     "out_dir=results/sprinter_rerun", ["summary.md"], []),
-    ("qwen_selfdraft", "6. Expensive draft — Qwen2.5-Coder-1.5B self-draft (MBPP test)",
-     "python -m decode +experiment=study_qwen", ["summary.md"], ["speedup.png"]),
-]
+MANIFEST = REPO / "conf" / "study.yaml"
 
 
-def bar_check(summary: dict) -> dict:
-    """The issue's bar on MBPP test: best learned head vs static K-opt, SVIP, AdaEDL, and the static→oracle gap."""
+@dataclass(frozen=True)
+class Section:
+    """One table of results/README.md: its folder under results/, the commands that wrote it, what it shows."""
+
+    folder: str
+    title: str
+    commands: tuple[str, ...]
+    tables: tuple[str, ...] = ()
+    plots: tuple[str, ...] = ()
+
+    @property
+    def command(self) -> str:
+        return " && ".join(self.commands)
+
+
+@dataclass(frozen=True)
+class Study:
+    """conf/study.yaml: the sections, the (original, rerun) folder pairs and the bar (`{ratio: threshold text}`)."""
+
+    sections: tuple[Section, ...]
+    reruns: tuple[tuple[str, str], ...]
+    bar: dict[str, str] = field(default_factory=dict)
+
+
+def load_study(path: Path = MANIFEST) -> Study:
+    from omegaconf import OmegaConf
+
+    if not Path(path).is_file():
+        raise UserError(f"study manifest {path} not found; pass --manifest conf/study.yaml")
+    raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    sections = tuple(Section(s["folder"], s["title"], tuple(s["commands"]), tuple(s.get("tables") or ()),
+                             tuple(s.get("plots") or ())) for s in raw["sections"])
+    return Study(sections, tuple((a, b) for a, b in raw.get("reruns") or []),
+                 {k: str(v) for k, v in (raw.get("bar") or {}).items()})
+
+
+def bar_check(summary: dict, thresholds: dict[str, str] | None = None) -> dict:
+    """The issue's bar on MBPP test: best learned head vs static K-opt, SVIP, AdaEDL, and the static→oracle gap;
+    `thresholds` ({ratio: "1.10"}) default to conf/study.yaml's `bar`."""
     from decode.metrics import oracle_gap_closed
 
     heads = {k: v for k, v in summary.items() if k.startswith("learned")}
     need = [k for k in ("static_opt", "svip", "adaedl", "oracle") if k not in summary]
     if not heads or need:
-        raise UserError(f"results/disco_mbpp/summary.json lacks {need or 'a learned:* row'}; rerun study_disco_mbpp")
+        raise UserError(f"results/disco_mbpp/summary.json lacks {need or 'a learned:* row'}; rerun study/disco_mbpp")
     best = max(heads, key=lambda k: heads[k]["speedup"])
     s = {k: summary[k]["speedup"] for k in ("static_opt", "svip", "adaedl", "oracle")}
     b = heads[best]["speedup"]
@@ -103,8 +79,8 @@ def bar_check(summary: dict) -> dict:
         "vs_static_opt": b / s["static_opt"], "vs_svip": b / s["svip"], "vs_adaedl": b / s["adaedl"],
         "oracle_gap_closed": oracle_gap_closed(b, s["static_opt"], s["oracle"]) if gap > 0 else float("nan"),
     }
-    out["passes"] = {"vs_static_opt>=1.10": out["vs_static_opt"] >= 1.10, "vs_svip>=1.05": out["vs_svip"] >= 1.05,
-                     "vs_adaedl>=1.05": out["vs_adaedl"] >= 1.05, "oracle_gap_closed>=0.5": out["oracle_gap_closed"] >= 0.5}
+    thresholds = load_study().bar if thresholds is None else thresholds
+    out["passes"] = {f"{k}>={v}": out[k] >= float(v) for k, v in thresholds.items()}
     return out
 
 
@@ -127,7 +103,7 @@ def bar_intervals(prompts: Path, bar: dict, confidence: float = 0.95, n_resample
             rows[r["method"]][r["prompt_id"]] = r
     ids = sorted(set.intersection(*(set(v) for v in rows.values())))
     if len(ids) < 3:
-        raise UserError(f"{prompts} has {len(ids)} prompts decoded by all of {methods}; rerun study_disco_mbpp")
+        raise UserError(f"{prompts} has {len(ids)} prompts decoded by all of {methods}; rerun study/disco_mbpp")
     tok = {m: np.array([rows[m][i]["new_tokens"] for i in ids], dtype=float) for m in methods}
     wall = {m: np.array([rows[m][i]["wall_s"] for i in ids], dtype=float) for m in methods}
 
@@ -147,9 +123,9 @@ def bar_intervals(prompts: Path, bar: dict, confidence: float = 0.95, n_resample
                                                              res.confidence_interval.high)}}
 
 
-def _bar_line(bar: dict) -> str:
+def _bar_line(bar: dict, thresholds: dict[str, str]) -> str:
     """The bar's numbers with their bootstrap intervals when the prompts were there to compute them."""
-    ci = bar.get("ci")
+    ci, t = bar.get("ci"), thresholds
 
     def f(key: str, pct: bool = False) -> str:
         scale, unit = (100, "%") if pct else (1, "×")
@@ -159,26 +135,21 @@ def _bar_line(bar: dict) -> str:
         lo, hi = (scale * x for x in ci[key])
         return f"{val} [{lo:.{0 if pct else 2}f}–{hi:.{0 if pct else 2}f}]"
 
-    return (f"{f('vs_static_opt')} static K-opt ({bar['static_opt_speedup']:.2f}×; bar ≥ 1.10), "
-            f"{f('vs_svip')} SVIP ({bar['svip_speedup']:.2f}×; bar ≥ 1.05), "
-            f"{f('vs_adaedl')} AdaEDL ({bar['adaedl_speedup']:.2f}×; bar ≥ 1.05); it closes "
+    return (f"{f('vs_static_opt')} static K-opt ({bar['static_opt_speedup']:.2f}×; bar ≥ {t['vs_static_opt']}), "
+            f"{f('vs_svip')} SVIP ({bar['svip_speedup']:.2f}×; bar ≥ {t['vs_svip']}), "
+            f"{f('vs_adaedl')} AdaEDL ({bar['adaedl_speedup']:.2f}×; bar ≥ {t['vs_adaedl']}); it closes "
             f"{f('oracle_gap_closed', pct=True)} of the gap from static K-opt to the oracle "
-            f"({bar['oracle_speedup']:.2f}×; bar ≥ 50%)"
+            f"({bar['oracle_speedup']:.2f}×; bar ≥ {100 * float(t['oracle_gap_closed']):.0f}%)"
             + (f" — [low–high]: {100 * ci['confidence']:.0f}% {ci['method']} ({ci['n_prompts']} prompts)" if ci else ""))
 
 
-def disco_bar(d: Path) -> dict:
+def disco_bar(d: Path, thresholds: dict[str, str] | None = None) -> dict:
     """bar_check on the table's summary, with intervals when its per-prompt rows are there; written to bar.json."""
-    bar = bar_check(json.loads((d / "summary.json").read_text()))
+    bar = bar_check(json.loads((d / "summary.json").read_text()), thresholds)
     if (d / "prompts.jsonl").is_file():
         bar["ci"] = bar_intervals(d / "prompts.jsonl", bar)
     (d / "bar.json").write_text(json.dumps(bar, indent=2))
     return bar
-
-
-# (original table folder, rerun folder): the study's reproducibility check, computed from both summaries
-RERUNS = [("sprinter", "sprinter_rerun"), ("disco_mbpp_rerun", "disco_mbpp_rerun2"), ("disco_mbpp", "disco_mbpp_rerun"),
-          ("disco_mbpp", "disco_mbpp_rerun_intel")]
 
 
 def repro_check(original: dict, rerun: dict) -> dict:
@@ -199,9 +170,10 @@ def repro_check(original: dict, rerun: dict) -> dict:
     return out
 
 
-def repro_section(results: Path) -> list[str]:
+def repro_section(results: Path, reruns) -> list[str]:
+    """The reproducibility table of the (original, rerun) folder pairs; writes results/reproducibility.json."""
     rows, report = [], {}
-    for orig, again in RERUNS:
+    for orig, again in reruns:
         a, b = results / orig / "summary.json", results / again / "summary.json"
         if not (a.is_file() and b.is_file()):
             continue
@@ -238,8 +210,9 @@ def _settings(run: dict) -> str:
     return "; ".join(parts) + (f" — {where}" if where else "")
 
 
-def build(results: Path, bar: dict | None) -> str:
+def build(results: Path, bar: dict | None, study: Study | None = None) -> str:
     """results/README.md's text; `bar` is disco_bar's result (None when table 1 has not been run)."""
+    study = study or load_study()
     lines = ["# Study results", "",
              "Written by `python -m eval.study` from the folders below; every table is the output of the command above "
              "it (decode writes summary.json/summary.md, the analysis commands the rest). Speedup = tokens/s ÷ target-"
@@ -250,51 +223,59 @@ def build(results: Path, bar: dict | None) -> str:
         verdict = "meets" if all(bar["passes"].values()) else "does NOT meet"
         lines += ["## The bar (MBPP test, default pair, CPU)", "",
                   f"Best learned head `{bar['best_learned']}`: {bar['best_learned_speedup']:.2f}× — "
-                  f"{_bar_line(bar)}. The head **{verdict}** the bar (results/disco_mbpp/bar.json).", ""]
-    for folder, title, command, tables, plots in SECTIONS:
-        d = results / folder
-        lines += [f"## {title}", "", f"`{command}`", ""]
-        if not d.is_dir():
-            lines += ["Not run yet.", ""]
-            continue
-        run_json = d / "run.json"
-        if not run_json.is_file():
-            sub = sorted(d.glob("*/run.json"))
-            run_json = sub[0] if sub else run_json
-        if run_json.is_file():
-            lines += [f"Settings: {_settings(json.loads(run_json.read_text()))}", ""]
-        tuned = d / "tuned.json"
-        if tuned.is_file():
-            chosen = json.loads(tuned.read_text())["chosen"]
-            lines += ["Chosen on validation: " + "; ".join(f"{k} {v}" for k, v in chosen.items() if v), ""]
-        for t in tables:
-            if (d / t).is_file():
-                lines += [(d / t).read_text().strip().replace("### ", "#### "), ""]
-        for p in plots:
-            if (d / p).is_file():
-                lines += [f"![{folder} {p}]({folder}/{p})", ""]
-        notes = d / "NOTES.md"
-        if notes.is_file():
-            lines += [notes.read_text().strip(), ""]
-    lines += repro_section(results)
+                  f"{_bar_line(bar, study.bar)}. The head **{verdict}** the bar (results/disco_mbpp/bar.json).", ""]
+    for sec in study.sections:
+        lines += _section(results, sec)
+    lines += repro_section(results, study.reruns)
     return "\n".join(lines) + "\n"
+
+
+def _section(results: Path, sec: Section) -> list[str]:
+    """A section's title, command, settings, chosen parameters, tables, plots and notes ("Not run yet." without
+    its folder)."""
+    folder, d = sec.folder, results / sec.folder
+    lines = [f"## {sec.title}", "", f"`{sec.command}`", ""]
+    if not d.is_dir():
+        return lines + ["Not run yet.", ""]
+    run_json = d / "run.json"
+    if not run_json.is_file():
+        sub = sorted(d.glob("*/run.json"))
+        run_json = sub[0] if sub else run_json
+    if run_json.is_file():
+        lines += [f"Settings: {_settings(json.loads(run_json.read_text()))}", ""]
+    tuned = d / "tuned.json"
+    if tuned.is_file():
+        chosen = json.loads(tuned.read_text())["chosen"]
+        lines += ["Chosen on validation: " + "; ".join(f"{k} {v}" for k, v in chosen.items() if v), ""]
+    for t in sec.tables:
+        if (d / t).is_file():
+            lines += [(d / t).read_text().strip().replace("### ", "#### "), ""]
+    for p in sec.plots:
+        if (d / p).is_file():
+            lines += [f"![{folder} {p}]({folder}/{p})", ""]
+    notes = d / "NOTES.md"
+    if notes.is_file():
+        lines += [notes.read_text().strip(), ""]
+    return lines
 
 
 BEGIN, END = "<!-- study:begin (python -m eval.study) -->", "<!-- study:end -->"
 
 
-def headline(results: Path, bar: dict | None) -> str:
+def headline(results: Path, bar: dict | None, study: Study | None = None) -> str:
     """The block eval.study keeps in the top-level README: the DISCO table and the bar, linking the rest."""
+    study = study or load_study()
     d = results / "disco_mbpp"
     if bar is None or not (d / "summary.md").is_file():
         return "The study has not been run yet: see results/README.md for the commands.\n"
     run = json.loads((d / "run.json").read_text()) if (d / "run.json").is_file() else {}
     verdict = "meets" if all(bar["passes"].values()) else "does **not** meet"
+    command = next(s.command for s in study.sections if s.folder == "disco_mbpp")
     return "\n".join([
-        f"**DISCO table, MBPP test** (`python -m decode +experiment=study_disco_mbpp`; {_settings(run)}). Parameters "
+        f"**DISCO table, MBPP test** (`{command}`; {_settings(run)}). Parameters "
         "and head thresholds chosen for speed on MBPP validation (`results/disco_mbpp/tuned.json`).", "",
         (d / "summary.md").read_text().strip().replace("### ", "#### "), "",
-        f"Best learned head `{bar['best_learned']}` {bar['best_learned_speedup']:.2f}×: {_bar_line(bar)}. It "
+        f"Best learned head `{bar['best_learned']}` {bar['best_learned_speedup']:.2f}×: {_bar_line(bar, study.bar)}. It "
         f"{verdict} the issue's bar.", "",
         "Every other study table (HumanEval transfer, table 1 on an AMD CPU and on an H100, the heads against the "
         "training-free scores as classifiers, the cost-model replay with heads of known AUROC, Spec-Bench per task "
@@ -315,12 +296,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", type=Path, default=REPO / "results")
     ap.add_argument("--readme", type=Path, default=REPO / "README.md", help="top-level README with the study block")
+    ap.add_argument("--manifest", type=Path, default=MANIFEST, help="the study's sections, reruns and bar")
     args = ap.parse_args()
+    study = load_study(args.manifest)
     disco = args.results / "disco_mbpp"
-    bar = disco_bar(disco) if (disco / "summary.json").is_file() else None  # the bootstrap takes seconds: once
-    text = build(args.results, bar)
+    # the bootstrap takes seconds: once
+    bar = disco_bar(disco, study.bar) if (disco / "summary.json").is_file() else None
+    text = build(args.results, bar, study)
     (args.results / "README.md").write_text(text)
-    update_readme(args.readme, headline(args.results, bar))
+    update_readme(args.readme, headline(args.results, bar, study))
     print(f"wrote {args.results / 'README.md'} and the study block of {args.readme}")
 
 

@@ -25,8 +25,8 @@ def test_experiment_not_in_defaults():
     assert EXPECTED <= set(known_names("experiment"))
 
 
-TRAIN_EXPERIMENTS = [n for n in known_names("experiment") if not n.startswith("study_")]
-STUDIES = [n for n in known_names("experiment") if n.startswith("study_")]
+TRAIN_EXPERIMENTS = known_names("experiment")  # conf/experiment/*.yaml train heads
+STUDIES = [f"study/{n}" for n in known_names("experiment/study")]  # conf/experiment/study/*.yaml decode
 
 
 @pytest.mark.parametrize("name", STUDIES)
@@ -51,6 +51,7 @@ def test_experiment_for_the_other_stage_is_one_line(cli):
         f"python -m decode +experiment={STUDIES[0]}"
     r = cli("decode", "+experiment=disco_mbpp")
     assert r.returncode == 2 and "trains a head: python -m train +experiment=disco_mbpp" in r.stderr
+    assert "decode studies: study/disco_humaneval, study/disco_mbpp," in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
 
 
@@ -105,7 +106,7 @@ def test_specbench_study_tunes_on_one_prompt_per_task():
     from data_gen.prompts import load_prompts
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = hcompose("decode", overrides=["+experiment=study_specbench"])
+        cfg = hcompose("decode", overrides=["+experiment=study/specbench"])
     tune_set = load_prompts(OmegaConf.merge(cfg.dataset, cfg.tune.dataset), "validation", cfg.tune.limit)
     assert sorted(p.meta["task"] for p in tune_set) == sorted(
         ["mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag"])

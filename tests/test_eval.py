@@ -208,7 +208,7 @@ def test_study_bar_intervals(tmp_path):
     lo, hi = mixed["vs_static_opt"]
     assert lo < 1.0 < hi and hi - lo > 0.2
     (tmp_path / "prompts.jsonl").write_text(lines[0] + "\n")
-    with pytest.raises(UserError, match="rerun study_disco_mbpp"):
+    with pytest.raises(UserError, match="rerun study/disco_mbpp"):
         bar_intervals(tmp_path / "prompts.jsonl", {"best_learned": "learned:steady"})
 
 
@@ -242,3 +242,20 @@ def test_study_block_in_readme(tmp_path):
     readme.write_text("no block")
     with pytest.raises(UserError, match="block"):
         update_readme(readme, "x")
+
+
+def test_study_manifest_names_existing_experiments():
+    """conf/study.yaml is the study's list of commands: every decode/replay experiment it names is a file in
+    conf/experiment/study/, every rerun pair names two of its sections, and the bar has the four ratios."""
+    import re
+
+    from eval.study import load_study
+    from utils.cli import CONF_DIR
+
+    study = load_study()
+    named = {m for s in study.sections for m in re.findall(r"\+experiment=(\S+)", s.command)}
+    assert named and all((CONF_DIR / "experiment" / f"{n}.yaml").is_file() for n in named), named
+    assert all(n.startswith("study/") for n in named)
+    folders = {s.folder for s in study.sections}
+    assert all(a in folders and b in folders for a, b in study.reruns)
+    assert set(study.bar) == {"vs_static_opt", "vs_svip", "vs_adaedl", "oracle_gap_closed"}

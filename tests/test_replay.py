@@ -73,7 +73,7 @@ def test_rounds_equal_decoding(traces, tiny_pair, tmp_path):
 def test_replay_table_synthetic_heads_and_bad_input(traces, tmp_path):
     from eval.replay import gap_closed, run
 
-    base = ["+experiment=study_disco_mbpp", "pair=tiny_random", f"replay.tune={traces['validation']}",
+    base = ["+experiment=study/disco_mbpp", "pair=tiny_random", f"replay.tune={traces['validation']}",
             f"replay.eval={traces['test']}", "policies=[constant,static_opt,svip,max_confidence,oracle,hf_assisted]",
             "tune.grid.static_opt.k=[1,2,3]", "replay.c=0.3", "replay.synthetic_auroc=[0.7,0.99]"]
     res = run(cfg_of("replay", *base, f"replay.out_dir={tmp_path / 'r'}"))
@@ -190,7 +190,7 @@ def test_replay_logger_wandb_offline_run_holds_the_table(tmp_path):
               "eval": {"constant": row, "svip": {**row, "cost_model_speedup": 1.3, "score_auroc": 0.8},
                        "synthetic[auroc=0.8]": {**row, "realised_auroc": 0.79}}}
     out = tmp_path / "r"
-    cfg = cfg_of("replay", "+experiment=study_disco_mbpp", "logger=wandb", f"replay.out_dir={out}")
+    cfg = cfg_of("replay", "+experiment=study/disco_mbpp", "logger=wandb", f"replay.out_dir={out}")
     with wandb_log.session(cfg, out, "replay"):
         wandb_log.log_replay(result, out)
     run_dir = wandb_run_dir(out)

@@ -42,18 +42,18 @@ def output_dir(out_dir) -> Path:
     return Path(HydraConfig.get().runtime.output_dir)
 
 
-STUDY_PREFIX = "study_"  # conf/experiment/study_*.yaml are decode studies; the other experiments train heads
+STUDY_GROUP = "study"  # conf/experiment/study/*.yaml are decoding studies; conf/experiment/*.yaml train heads
 
 
 def _check_experiment_stage(name: str, config_name: str | None) -> None:
     if config_name not in ("train", "decode", "replay"):  # replay reads a decode study's policies and grids
         return
-    is_study = name.startswith(STUDY_PREFIX)
+    is_study = name.startswith(STUDY_GROUP + "/")
     if is_study and config_name == "train":
         raise UserError(f"experiment '{name}' is a decoding study: python -m decode +experiment={name}")
     if not is_study and config_name in ("decode", "replay"):
         raise UserError(f"experiment '{name}' trains a head: python -m train +experiment={name} "
-                        f"(decode studies: {', '.join(n for n in known_names('experiment') if n.startswith(STUDY_PREFIX))})")
+                        f"(decode studies: {', '.join(f'{STUDY_GROUP}/{n}' for n in known_names('experiment/' + STUDY_GROUP))})")
 
 
 def _check_argv_groups(argv: list[str], config_name: str | None = None) -> None:
