@@ -7,6 +7,7 @@ Each run folder holds decode's summary.json and run.json; `--by` names a run.jso
 `dir` for the run folder's own name (when the setting that differs is a path, e.g. the draft's weights file).
 Writes <out>/collect.json ({method: {value: metrics}}), collect.md (method × value, metric ± spread over prompts)
 and collect.png (metric vs value, one line per method). Methods absent from a run are left blank.
+argparse, not Hydra: it reads finished run folders (a shell glob of them), loads no model and composes no config.
 """
 
 from __future__ import annotations
@@ -64,13 +65,13 @@ def write(result: dict, out: Path) -> None:
     for method, cells in result["methods"].items():
         row = []
         for v in vals:
-            c = cells.get(v)
-            if not c or c.get(metric) is None:
+            cell = cells.get(v)
+            if not cell or cell.get(metric) is None:
                 row.append("")
-            elif metric == "speedup" and c.get("speedup_std") is not None:
-                row.append(f"{c[metric]:.2f} ± {c['speedup_std']:.2f}")
+            elif metric == "speedup" and cell.get("speedup_std") is not None:
+                row.append(f"{cell[metric]:.2f} ± {cell['speedup_std']:.2f}")
             else:
-                row.append(f"{c[metric]:.2f}")
+                row.append(f"{cell[metric]:.2f}")
         lines.append(f"| {method} | " + " | ".join(row) + " |")
     lines += ["", f"{metric} vs target-only in the same run (± = std of per-prompt speedups)."]
     (out / "collect.md").write_text("\n".join(lines) + "\n")

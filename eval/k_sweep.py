@@ -1,6 +1,6 @@
 """Speedup vs constant draft length, measured next to the prediction ("How speculative can SD be?", Leviathan et al.).
 
-    python -m eval.k_sweep results/k_sweep      (the out_dir of `python -m decode +experiment=study_k_sweep`)
+    python -m eval.k_sweep results/k_sweep      (the out_dir of `python -m decode +experiment=study/k_sweep`)
 
 Reads the sweep's summary.json / prompts.jsonl / run.json and writes k_sweep.json, k_sweep.md and k_sweep.png there.
 α is measured once for the whole sweep: every verified drafted position of every K is one Bernoulli trial (position j
@@ -9,6 +9,7 @@ the i.i.d.-acceptance model the predictions assume. c is the sweep's measured dr
 come from `eval.theory.speedup_curve` (Leviathan E[N+1]/(Kc+1) and the paper's per-round latency model); the gap
 between them and the measured speedup is the part the models leave out: on a CPU a verification pass over K+1 tokens
 costs more than one target step, and acceptance is not i.i.d. (per-position acceptance is in summary.json).
+argparse, not Hydra: its one input is a finished sweep folder; there is no model or config to compose.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ KEY = re.compile(r"^(?P<name>[^\[]+)\[k=(?P<k>\d+)\]$")
 def analyse(run_dir: Path) -> dict:
     summary_path = run_dir / "summary.json"
     if not summary_path.is_file():
-        raise UserError(f"{summary_path} not found; run `python -m decode +experiment=study_k_sweep out_dir={run_dir}`")
+        raise UserError(f"{summary_path} not found; run `python -m decode +experiment=study/k_sweep out_dir={run_dir}`")
     summary = json.loads(summary_path.read_text())
     sweep = {int(m["k"]): key for key in summary if (m := KEY.match(key))}
     if not sweep:
@@ -40,9 +41,9 @@ def analyse(run_dir: Path) -> dict:
             rounds += [tuple(r) for r in row["rounds"]]
     verified, accepted = per_position(rounds)
     alpha = sum(accepted) / sum(verified)
-    c = float(summary["target"]["measured_c"])
+    cost_ratio = float(summary["target"]["measured_c"])
     ks = sorted(sweep)
-    pred = {r["gamma"]: r for r in speedup_curve(alpha, c, ks)}
+    pred = {r["gamma"]: r for r in speedup_curve(alpha, cost_ratio, ks)}
     rows = []
     for k in ks:
         s = summary[sweep[k]]
@@ -52,7 +53,7 @@ def analyse(run_dir: Path) -> dict:
                      "predicted_leviathan": pred[k]["leviathan"], "predicted_latency_model": pred[k]["latency_model"]})
     best_measured = max(rows, key=lambda r: r["speedup"])["k"]
     best_predicted = max(rows, key=lambda r: r["predicted_leviathan"])["k"]
-    return {"alpha": alpha, "c": c, "verified_positions": sum(verified), "rows": rows,
+    return {"alpha": alpha, "c": cost_ratio, "verified_positions": sum(verified), "rows": rows,
             "best_k_measured": best_measured, "best_k_predicted": best_predicted,
             "run": json.loads((run_dir / "run.json").read_text()) if (run_dir / "run.json").is_file() else {}}
 

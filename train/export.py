@@ -6,7 +6,7 @@ The copy keeps exactly what `models.heads.load_head` reads (the `specstop` entry
 and eval use it like the original; a SpecDec++ checkpoint shrinks from ~12 MB to ~4 MB. The run's results.json (test
 metrics, threshold, data) is written next to it as <name>.results.json. The trace folders the head was trained and
 tested on are recorded in the copy (`specstop.traces`), so `python -m eval ckpt=<copy>` finds them once the run's
-logs are gone.
+logs are gone. argparse, not Hydra: a file copy from one path to another, with nothing to configure.
 """
 
 from __future__ import annotations
