@@ -84,7 +84,7 @@ def independent_auroc(ckpt, root):
 
 
 def test_disco_report_numbers_and_plots(runs, tmp_path):
-    from eval.__main__ import run
+    from eval.classifier import run
 
     out = tmp_path / "out"
     report = run(eval_cfg(f"ckpt={runs['disco']}", f"out_dir={out}"))
@@ -110,7 +110,7 @@ def test_disco_report_numbers_and_plots(runs, tmp_path):
 
 def test_threshold_override(runs, tmp_path):
     """threshold= replaces the checkpoint's threshold: everything-accepted at 0 (recall 1, no negatives predicted)."""
-    from eval.__main__ import run
+    from eval.classifier import run
 
     run(eval_cfg(f"ckpt={runs['disco']}", "threshold=0.0", f"out_dir={tmp_path / 'o'}"))
     saved = json.loads((tmp_path / "o" / "report.json").read_text())
@@ -135,7 +135,7 @@ def test_sprinter_theory_and_comparison_via_cli(runs, tmp_path, cli):
 
 
 def test_calibration_by_hand():
-    from eval.__main__ import calibration
+    from eval.classifier import calibration
 
     # every score 0.8, half the labels positive: one bin, |0.8 − 0.5| = 0.3
     cal = calibration(np.full(10, 0.8), np.r_[np.ones(5), np.zeros(5)])
@@ -144,7 +144,7 @@ def test_calibration_by_hand():
 
 
 def test_bad_inputs_are_one_line(runs, tmp_path, tiny_pair, cli):
-    from eval.__main__ import run
+    from eval.classifier import run
 
     not_ckpt = tmp_path / "notes.txt"
     not_ckpt.write_text("hello")
