@@ -29,7 +29,9 @@ def check_name(group: str, name: str) -> Path:
     """Path of `conf/<group>/<name>.yaml`, or a UserError listing the known names."""
     path = CONF_DIR / group / f"{name}.yaml"
     if not path.is_file():
-        raise UserError(f"unknown {group} '{name}'; known: {', '.join(known_names(group))}")
+        sub, _, _ = name.rpartition("/")  # a name in a folder of the group (experiment=study/NAME)
+        known = [f"{sub}/{n}" for n in known_names(f"{group}/{sub}")] if sub else known_names(group)
+        raise UserError(f"unknown {group} '{name}'; known: {', '.join(known)}")
     return path
 
 
