@@ -16,7 +16,6 @@ Writes ablation.json and ablation.md under --out, next to max q and −H_q (the 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from sklearn.ensemble import HistGradientBoostingClassifier  # noqa: E402
 from sklearn.metrics import roc_auc_score  # noqa: E402
 
 from utils.cli import UserError, fail  # noqa: E402
+from utils.files import write_result  # noqa: E402
 
 TRACES = REPO / "traces"
 DEFAULT_TRAIN = TRACES / "smollm2_135m--mbpp--target_ar-t0-p1-n128-s0--train"
@@ -149,10 +149,7 @@ def main(argv=None) -> None:
     lines += ["", "Groups (models/features.py): verify = " + ", ".join(result["features"]["verify"])
               + "; copy = " + ", ".join(result["features"]["copy"]) + "; token = "
               + ", ".join(result["features"]["token"]) + "."]
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "ablation.json").write_text(json.dumps(result, indent=1) + "\n")
-    (args.out / "ablation.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_result(args.out, "ablation", result, lines)
 
 
 if __name__ == "__main__":

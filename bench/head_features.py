@@ -20,7 +20,6 @@ features part of the contract (models.features, `model=disco_plus`); their ablat
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from sklearn.metrics import roc_auc_score  # noqa: E402
 
 from models.features import continuation_starts, trace_round_positions  # noqa: E402
 from utils.cli import UserError, fail  # noqa: E402
+from utils.files import write_result  # noqa: E402
 
 N_IDS = 250  # HistGradientBoosting's categorical features take < 255 categories
 HISTORY = 16
@@ -132,10 +132,7 @@ def main(argv=None) -> None:
     for row in result["train"]:
         lines.append(f"| `{row['folder']}` | {row['rows']} | {row['acceptance']:.3f} | "
                      + " | ".join(f"{row['auroc'][s]:.3f}" for s in SETS) + " |")
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "head_features.json").write_text(json.dumps(result, indent=1) + "\n")
-    (args.out / "head_features.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_result(args.out, "head_features", result, lines)
 
 
 if __name__ == "__main__":

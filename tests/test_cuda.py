@@ -49,13 +49,7 @@ def test_trainer_gpu_trains_a_head_that_loads_on_cpu(tmp_path):
 
 
 def test_greedy_decoding_on_cuda_is_lossless(cuda_pair):
-    from decode.loop import autoregressive, speculative
-    from tests.test_decode import PROMPTS, exact_policies, ids_of
+    from tests.test_decode import greedy_runs
 
-    eos = {cuda_pair.tokenizer.eos_token_id}
-    for text in PROMPTS:
-        ids = ids_of(cuda_pair, text)
-        ref = autoregressive(cuda_pair, ids, 32, eos=eos)
-        for pol in exact_policies(cuda_pair):
-            res = speculative(cuda_pair, ids, pol, 32, eos=eos, lookahead=ref.tokens)
-            assert res.tokens == ref.tokens, f"{pol.name} diverged from target-only decoding on CUDA for {text!r}"
+    for text, pol, res, ref in greedy_runs(cuda_pair, 32):
+        assert res.tokens == ref.tokens, f"{pol.name} diverged from target-only decoding on CUDA for {text!r}"

@@ -68,18 +68,24 @@ def exact_policies(pair):
     return pols
 
 
-def test_greedy_lossless_every_exact_policy(tiny_pair):
-    eos = {tiny_pair.tokenizer.eos_token_id}
-    accepted_any = False
+def greedy_runs(pair, max_new: int):
+    """(prompt text, policy, speculative result, target-only result) for every exact policy on every prompt, greedy;
+    the CPU test here and the CUDA one (tests/test_cuda.py) check them."""
+    eos = {pair.tokenizer.eos_token_id}
     for text in PROMPTS:
-        ids = ids_of(tiny_pair, text)
-        ref = autoregressive(tiny_pair, ids, 40, eos=eos)
-        for pol in exact_policies(tiny_pair):
-            res = speculative(tiny_pair, ids, pol, 40, eos=eos, lookahead=ref.tokens)
-            assert res.tokens == ref.tokens, f"{pol.name} diverged on {text!r}"
-            assert res.drafted >= res.accepted and len(res.tokens) == 40
-            assert res.target_calls == len(res.rounds)
-            accepted_any |= res.accepted > 0
+        ids = ids_of(pair, text)
+        ref = autoregressive(pair, ids, max_new, eos=eos)
+        for pol in exact_policies(pair):
+            yield text, pol, speculative(pair, ids, pol, max_new, eos=eos, lookahead=ref.tokens), ref
+
+
+def test_greedy_lossless_every_exact_policy(tiny_pair):
+    accepted_any = False
+    for text, pol, res, ref in greedy_runs(tiny_pair, 40):
+        assert res.tokens == ref.tokens, f"{pol.name} diverged on {text!r}"
+        assert res.drafted >= res.accepted and len(res.tokens) == 40
+        assert res.target_calls == len(res.rounds)
+        accepted_any |= res.accepted > 0
     assert accepted_any  # both acceptance and rejection paths ran
 
 

@@ -37,3 +37,12 @@ def atomic_write(path: Path, write) -> Path:
 def write_text_atomic(path: Path, text: str) -> Path:
     """`atomic_write` of a text file (UTF-8)."""
     return atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def write_result(out_dir: Path, stem: str, result: dict, lines: list[str]) -> None:
+    """A benchmark's `<stem>.json` (the numbers) and `<stem>.md` (its table) in `out_dir`, and the table printed."""
+    import json
+
+    write_text_atomic(Path(out_dir) / f"{stem}.json", json.dumps(result, indent=1) + "\n")
+    write_text_atomic(Path(out_dir) / f"{stem}.md", "\n".join(lines) + "\n")
+    print("\n".join(lines))
