@@ -53,11 +53,11 @@ def load(folder: Path, spec):
 def gbm_auroc(x_tr, y_tr, x_te, y_te, token_cols) -> float:
     x_tr, x_te = x_tr.numpy().astype(np.float64), x_te.numpy().astype(np.float64)
     cat = [i in token_cols for i in range(x_tr.shape[1])]
-    for c in token_cols:  # categorical codes: frequent ids keep their own code
-        ids, counts = np.unique(x_tr[:, c], return_counts=True)
+    for col in token_cols:  # categorical codes: frequent ids keep their own code
+        ids, counts = np.unique(x_tr[:, col], return_counts=True)
         keep = {v: i for i, v in enumerate(ids[np.argsort(-counts, kind="stable")][:N_IDS])}
-        x_tr[:, c] = [keep.get(v, N_IDS) for v in x_tr[:, c]]
-        x_te[:, c] = [keep.get(v, N_IDS) for v in x_te[:, c]]
+        x_tr[:, col] = [keep.get(v, N_IDS) for v in x_tr[:, col]]
+        x_te[:, col] = [keep.get(v, N_IDS) for v in x_te[:, col]]
     model = HistGradientBoostingClassifier(max_iter=300, learning_rate=0.05, max_leaf_nodes=15, random_state=0,
                                            categorical_features=cat)
     model.fit(x_tr, y_tr)

@@ -115,9 +115,9 @@ def main() -> None:
         lines += ["", "Target pass over n tokens ÷ one target step (models.cost, the loop's own calls):", "",
                   "| setting | t(1) ms | draft ms | c | " + " | ".join(f"n={n}" for n in range(2, 10)) + " |",
                   "|---|---|---|---|" + "---|" * 8]
-        for label, c in e["target_curve"].items():
-            lines.append(f"| {label} | {c['target_ms'][0]:.1f} | {c['draft_ms']:.1f} | {c['cost_ratio']:.3f} | "
-                         + " | ".join(f"{v:.2f}" for v in c["verify_ratio"][1:9]) + " |")
+        for label, curve in e["target_curve"].items():
+            lines.append(f"| {label} | {curve['target_ms'][0]:.1f} | {curve['draft_ms']:.1f} | {curve['cost_ratio']:.3f} | "
+                         + " | ".join(f"{v:.2f}" for v in curve["verify_ratio"][1:9]) + " |")
         lines.append("")
     (OUT / "head_gemm.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

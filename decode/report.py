@@ -50,8 +50,8 @@ def markdown_table(summary: dict, title: str = "") -> str:
                 "target_calls_saved_frac", "unchecked_frac", "tvd_est", "token_agreement", "rouge_l_ref",
                 "rouge_l_target")) + " |")
     cost_ratio = next(iter(summary.values())).get("measured_c")
-    lines += ["", f"Measured c (draft step ÷ target step) = {_fmt(cost_ratio)}; batch size 1; oracle rows read the target-only "
-              "output (an upper bound, not a method)."]
+    lines += ["", f"Measured c (draft step ÷ target step) = {_fmt(cost_ratio)}; batch size 1; oracle rows read the "
+              "target-only output (an upper bound, not a method)."]
     return "\n".join(lines) + "\n"
 
 

@@ -181,10 +181,11 @@ def repro_section(results: Path, reruns) -> list[str]:
         same = machines[0] == machines[1]
         check = repro_check(json.loads(a.read_text()), json.loads(b.read_text()))
         report[f"{orig} <- {again}"] = {"same_machine": same, "methods": check}
-        for m, c in check.items():
-            mal = " → ".join("–" if x is None else f"{x:.2f}" for x in c["mean_accepted_length"])
-            rows.append(f"| {orig} | {again} | {'yes' if same else 'no'} | {m} | {c['original']:.2f} ± {c['spread']:.2f} | "
-                        f"{c['rerun']:.2f} | {'yes' if c['within'] else 'no'} | {mal} |")
+        for m, row in check.items():
+            mal = " → ".join("–" if x is None else f"{x:.2f}" for x in row["mean_accepted_length"])
+            rows.append(f"| {orig} | {again} | {'yes' if same else 'no'} | {m} | "
+                        f"{row['original']:.2f} ± {row['spread']:.2f} | {row['rerun']:.2f} | "
+                        f"{'yes' if row['within'] else 'no'} | {mal} |")
     if not rows:
         return []
     (results / "reproducibility.json").write_text(json.dumps(report, indent=2))

@@ -54,8 +54,9 @@ def _check_experiment_stage(name: str, config_name: str | None) -> None:
     if is_study and config_name == "train":
         raise UserError(f"experiment '{name}' is a decoding study: python -m decode +experiment={name}")
     if not is_study and config_name in ("decode", "replay"):
+        studies = ", ".join(f"{STUDY_GROUP}/{n}" for n in known_names(f"experiment/{STUDY_GROUP}"))
         raise UserError(f"experiment '{name}' trains a head: python -m train +experiment={name} "
-                        f"(decode studies: {', '.join(f'{STUDY_GROUP}/{n}' for n in known_names('experiment/' + STUDY_GROUP))})")
+                        f"(decode studies: {studies})")
 
 
 def _check_argv_groups(argv: list[str], config_name: str | None = None) -> None:
