@@ -525,3 +525,21 @@ def test_tuned_matches_a_lone_head_by_file_stem(tmp_path):
                        Method("sprinter", "sprinter:x/other.ckpt", {"threshold": 0.5}),
                        Method("svip", "svip", {"h": 0.3})], f)
     assert [m.params for m in out] == [{"threshold": 0.6}, {"threshold": 0.5}, {"h": 0.4}]
+
+
+def test_report_regenerates_the_published_tables():
+    """decode.report writes exactly the summary.md / by_task.md tables under results/ from their JSON."""
+    from decode.report import markdown_table, task_table
+    from tests.conftest import REPO
+
+    checked = 0
+    for name, make in (("summary", markdown_table), ("by_task", task_table)):
+        for md in sorted((REPO / "results").rglob(f"{name}.md")):
+            data = md.with_suffix(".json")
+            if not data.is_file():
+                continue
+            text = md.read_text()
+            first = text.splitlines()[0]
+            assert make(json.loads(data.read_text()), first[4:] if first.startswith("### ") else "") == text, md
+            checked += 1
+    assert checked >= 1

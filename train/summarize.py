@@ -2,7 +2,8 @@
 
 Reads every `results.json` below DIR with the job's Hydra overrides (`.hydra/overrides.yaml`), prints a Markdown
 table (e.g. test AUROC per τ after `python -m train -m +experiment=sprinter_wikitext2 labels.tau=1,1.2,1.5`) and
-writes it to DIR/summary.md and DIR/summary.json.
+writes it to DIR/summary.md and DIR/summary.json. A plain argument, not Hydra: its one input is a finished multirun
+folder (the same code runs as a Hydra callback at the end of a multirun), so there is no config to compose.
 """
 
 from __future__ import annotations
