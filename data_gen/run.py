@@ -194,7 +194,7 @@ def generate(cfg: DictConfig, split: str, pair=None) -> Path:
     if todo and len(todo) < len(mine):
         print(f"resuming {folder}: {len(mine) - len(todo)} of this job's {len(mine)} shards already done", flush=True)
     start = time.perf_counter()
-    positions = _write_shards(cfg, split, pair, s, manifest, items, todo)
+    positions = _write_shards(pair, cfg.trace, folder, s, manifest, items, todo, desc=f"data_gen {split}")
     elapsed = time.perf_counter() - start
     shards = store.existing_shards(folder, full=False)  # other jobs may have written theirs meanwhile
     if store.missing_shards(manifest, shards):
@@ -290,13 +290,14 @@ def _start_folder(cfg: DictConfig, split: str, pair, s: Settings, plan: Plan, it
     return created, store.existing_shards(folder, full=False)
 
 
-def _write_shards(cfg: DictConfig, split: str, pair, s: Settings, manifest: dict, items: list, todo: list[int]) -> int:
+def _write_shards(pair, trace: DictConfig, folder: Path, s: Settings, manifest: dict, items: list, todo: list[int],
+                  desc: str) -> int:
     """Trace and write shard groups `todo` (each shard appears only when complete); returns the positions traced."""
     from data_gen.traces import trace_batch
 
-    folder, pps = store.trace_folder(cfg, split), s.prompts_per_shard
+    pps = s.prompts_per_shard
     positions, start = 0, time.perf_counter()
-    bar = tqdm(total=sum(len(items[g * pps : (g + 1) * pps]) for g in todo), unit="prompt", desc=f"data_gen {split}",
+    bar = tqdm(total=sum(len(items[g * pps : (g + 1) * pps]) for g in todo), unit="prompt", desc=desc,
                disable=not s.progress, dynamic_ncols=True)
     for g in todo:
         group = items[g * pps : (g + 1) * pps]
@@ -304,7 +305,7 @@ def _write_shards(cfg: DictConfig, split: str, pair, s: Settings, manifest: dict
         rows: list[dict | None] = [None] * len(group)
         for b in range(0, len(order), s.batch_size):
             idx = order[b : b + s.batch_size]
-            for i, r in zip(idx, trace_batch(pair, [group[i] for i in idx], cfg.trace)):
+            for i, r in zip(idx, trace_batch(pair, [group[i] for i in idx], trace)):
                 rows[i] = r
                 positions += r["n"]
             bar.update(len(idx))

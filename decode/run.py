@@ -101,17 +101,13 @@ def run_split(pair, prompts, methods: list[Method], profile, d: Decoding, desc: 
     """Target-only + methods on `prompts`. `profile` (models.cost) costs the cost-model speedup."""
     ids = tokenize_prompts(pair, prompts, d.max_new_tokens)
     eos = pair.eos_ids
-
-    def fresh():  # adaptive state (heuristic K, AdaEDL λ) must not carry the warm-up into the run
-        return {m.key: build_policy(m.spec, m.params, pair=pair, profile=profile) for m in methods}
-
-    policies = fresh()
+    policies = _policies(pair, methods, profile)
     if d.warmup:  # first calls allocate caches and pick kernels: keep them out of the timings
         warm = replace(d, max_new_tokens=min(8, d.max_new_tokens))
         ref = _generate(pair, None, ids[0], warm, eos, d.seed)
         for pol in policies.values():
             _generate(pair, pol, ids[0], warm, eos, d.seed, ref.tokens)
-        policies = fresh()
+        policies = _policies(pair, methods, profile)  # adaptive state (heuristic K, AdaEDL λ) starts afresh
     rows = _decode_prompts(pair, prompts, ids, methods, policies, d, eos, desc)
     if d.greedy:
         tie_margins(pair, rows, dict(zip([p.prompt_id for p in prompts], ids)), policies, d.tie_tol, d.tie_ulps)
@@ -120,6 +116,11 @@ def run_split(pair, prompts, methods: list[Method], profile, d: Decoding, desc: 
     by_task = {t: _summarize([r for r in rows if r.get("task") == t], methods, policies, profile, d.greedy,
                              cost_ratio) for t in tasks} if len(tasks) > 1 else {}
     return SplitResult(_summarize(rows, methods, policies, profile, d.greedy, cost_ratio), rows, by_task)
+
+
+def _policies(pair, methods: list[Method], profile) -> dict:
+    """A fresh policy object per method, keyed like the tables."""
+    return {m.key: build_policy(m.spec, m.params, pair=pair, profile=profile) for m in methods}
 
 
 def _decode_prompts(pair, prompts, ids, methods, policies, d: Decoding, eos, desc: str) -> list[dict]:

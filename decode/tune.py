@@ -13,7 +13,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from decode.methods import Method
 from decode.policies import parse_spec
-from utils.cli import UserError
 
 
 def tune_grid(cfg: DictConfig, methods: list[Method], untuned: bool = True) -> list[Method]:

@@ -18,7 +18,8 @@ Recipe, top to bottom:
    predicted speedup (Leviathan et al.'s improvement factor at the best constant draft length).
 
 The output file holds only the student's own tensors and JSON metadata (`models.pair.STUDENT_META`): load it with
-`models.pair.load_student(target, path)` or a pair config `draft: {source: student, weights: PATH}`.
+`models.pair.load_student(target, path)` or a pair config `draft: {source: student, weights: PATH}`. The loss, the
+batches and the Lightning module and callback live in train/distill_module.py.
 """
 
 from __future__ import annotations
