@@ -26,10 +26,6 @@ from models.cost import get_profile, machine
 from utils.cli import UserError
 from utils.files import write_text_atomic
 
-# eval.replay imports these from here; decode.methods and decode.tune are their homes
-__all__ = ["Method", "choose", "grid_params", "main", "methods_from_cfg", "tune_grid"]
-
-
 def main(cfg: DictConfig) -> dict:
     check_settings(cfg)
     methods = methods_from_cfg(cfg)

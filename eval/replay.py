@@ -1,6 +1,6 @@
 """Replay stop policies on greedy traces under the cost model: what a policy would gain, without decoding.
 
-    python -m eval.replay +experiment=study_disco_mbpp replay.tune=VAL_TRACES replay.eval=TEST_TRACES \
+    python -m eval.replay +experiment=study/disco_mbpp replay.tune=VAL_TRACES replay.eval=TEST_TRACES \
         replay.c_from=results/disco_mbpp/run.json replay.out_dir=results/replay_mbpp
 
 A greedy `target_ar` trace holds, at every position of the target's greedy continuation, the draft's features and
@@ -45,7 +45,8 @@ from decode import wandb_log
 from decode.metrics import oracle_gap_closed, per_position, speedup_from_costs
 from models.cost import CostProfile
 from decode.policies import Learned, StopPolicy, build_policy, parse_spec
-from decode.runner import Method, choose, grid_params, methods_from_cfg, tune_grid
+from decode.methods import Method, methods_from_cfg
+from decode.tune import choose, grid_params, tune_grid
 from models.features import DraftStep, VerifyStats, continuation_starts
 from utils.cli import UserError, hydra_entry, output_dir
 
