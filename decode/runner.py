@@ -21,7 +21,7 @@ from decode.methods import Method, methods_from_cfg
 from decode.policies import build_policy
 from decode.report import markdown_table, task_table, write_outputs
 from decode.run import Decoding, SplitResult, check_settings, run_split
-from decode.tune import choose, grid_params, tune_grid
+from decode.tune import choose, tune_grid
 from models.cost import get_profile, machine
 from utils.cli import UserError
 from utils.files import write_text_atomic
