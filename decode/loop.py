@@ -149,7 +149,7 @@ def speculative(pair, prompt_ids: list[int], policy, max_new_tokens: int, temper
             if want_q:
                 qs.append(q)
             step = DraftStep(probs=q, token=tok, hidden=hidden[0] if want_h else None, position_in_round=j,
-                             position=base + j, context=ctx, verify=vstats)
+                             position=base + j, context=ctx, verify=vstats, support=draft.support)
             stop = policy.should_stop(step)
             policy_s += now() - te
             if stop:

@@ -181,16 +181,31 @@ class DraftStep:
     _entropy: torch.Tensor | None = None
     context: list[int] | None = None
     verify: VerifyStats | None = None
+    # ids outside which probs is exactly 0 (a reduced-vocabulary draft, models.lm.LM.support): top-k and entropy
+    # read only these — the same values (zeros add nothing), a sixth of the work on an 8k-of-49k FR-Spec draft
+    support: torch.Tensor | None = None
+
+    _on_support: torch.Tensor | None = None
+
+    def _mass(self) -> torch.Tensor:
+        if self.support is None:
+            return self.probs
+        if self._on_support is None:
+            self._on_support = self.probs.index_select(-1, self.support)
+        return self._on_support
 
     def topk(self, k: int = DEFAULT_TOPK) -> torch.Tensor:
         if self._topk is None or self._topk.shape[-1] != k:
-            self._topk = topk_probs(self.probs, k)
+            mass = self._mass()
+            if mass.shape[-1] < k:  # a support smaller than k: the zeros outside it fill the tail
+                mass = self.probs
+            self._topk = topk_probs(mass, k)
         return self._topk
 
     @property
     def entropy(self) -> torch.Tensor:
         if self._entropy is None:
-            self._entropy = entropy(self.probs)
+            self._entropy = entropy(self._mass())
         return self._entropy
 
     def disco(self, k: int = DEFAULT_TOPK) -> torch.Tensor:

@@ -32,6 +32,10 @@ class LM:
         )
         self.base = model.base_model if self.plain else None
         self.head = model.get_output_embeddings() if self.plain else None
+        # the token ids a reduced-vocabulary draft can give mass to (models.lm_head.SubsetHead), None for a full head:
+        # q is exactly 0 elsewhere, so the loop reads its features on this support (DraftStep.support)
+        ids = getattr(model.get_output_embeddings(), "ids", None)
+        self.support = ids if isinstance(ids, torch.Tensor) else None
         self.device = next(model.parameters()).device
 
     def new_cache(self) -> DynamicCache:

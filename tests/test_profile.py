@@ -141,6 +141,25 @@ def test_subset_draft_scores_only_its_tokens(tiny_cfg, tmp_path):
     assert float(q[outside].sum()) == 0.0 and float(q.sum()) == pytest.approx(1.0)
 
 
+def test_subset_draft_features_read_the_support(tiny_cfg, tmp_path):
+    """The loop hands a subset draft's ids to DraftStep (models.lm.LM.support); top-k and entropy read only them and
+    equal the full-vocabulary values (q is 0 elsewhere). A full draft has no support."""
+    from models.features import DraftStep
+    from models.lm import LM
+
+    pair = subset_pair(tiny_cfg, tmp_path, 20)
+    lm = LM(pair.draft, pair.vocab_size)
+    assert lm.support is not None and lm.support.tolist() == pair.draft.get_output_embeddings().ids.tolist()
+    assert LM(pair.target, pair.vocab_size).support is None
+    q = draft_probs(pair.draft(torch.tensor([[5, 6, 7]])).logits[0, -1, : pair.vocab_size])
+    full = DraftStep(probs=q, token=0, hidden=None, position_in_round=0, position=0)
+    sub = DraftStep(probs=q, token=0, hidden=None, position_in_round=0, position=0, support=lm.support)
+    torch.testing.assert_close(sub.topk(10), full.topk(10), rtol=0, atol=0)
+    torch.testing.assert_close(sub.entropy, full.entropy, rtol=1e-6, atol=1e-6)
+    tiny = DraftStep(probs=q, token=0, hidden=None, position_in_round=0, position=0, support=lm.support[:3])
+    assert tiny.topk(10).shape == (10,)  # a support smaller than k still gives k values
+
+
 def test_subset_draft_is_lossless_greedy(tiny_cfg, tmp_path):
     pair = subset_pair(tiny_cfg, tmp_path, 12)
     for text in ("def add(a, b):\n    return", "The quick brown fox"):
