@@ -177,15 +177,16 @@ class ExpectedValueRule:
     def reset(self):
         self.survive, self.expected, self.k = 1.0, 1.0, 0
 
-    def stop(self, a: float) -> bool:
-        """After a drafted token with P(accept) = a: stop drafting?"""
+    def stop(self, a: float, a_next: float | None = None) -> bool:
+        """After a drafted token with P(accept) = a: stop drafting? `a_next`: an estimate of the next token's
+        P(accept) if one exists (bench/stop_rule_probe.py tries a next-token head); by default a itself."""
         self.k += 1
         self.survive *= a
         self.expected += self.survive
         k = self.k
         time = k * self.c + self.v[k]
         extra = self.c + self.v[k + 1] - self.v[k]
-        return self.survive * a * time <= self.expected * extra
+        return self.survive * (a if a_next is None else a_next) * time <= self.expected * extra
 
 
 def platt(x: float, a: float, b: float) -> float:

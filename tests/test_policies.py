@@ -207,6 +207,17 @@ def test_expected_value_rule_drafts_the_rate_optimal_length(a, slope):
     assert k == best_k(a, prof)
 
 
+def test_expected_value_rule_next_token_guess():
+    """a_next replaces the rule's default guess of the next token (a itself): a sure next token keeps drafting where a
+    hopeless one stops at once, for the same current-token probabilities."""
+    from decode.policies import ExpectedValueRule
+
+    prof = ev_profile()
+    default, sure, hopeless = (ExpectedValueRule(prof, 16) for _ in range(3))
+    assert not sure.stop(0.6, a_next=1.0) and hopeless.stop(0.6, a_next=0.0)
+    assert default.stop(0.6) == ExpectedValueRule(prof, 16).stop(0.6, a_next=0.6)
+
+
 def test_expected_value_policy_reads_score_and_profile():
     from decode.policies import ExpectedValue
 

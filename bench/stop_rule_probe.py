@@ -1,0 +1,187 @@
+"""Where the static-K → oracle gap is lost: the head's score for the *current* token, or the stop rule's guess of the
+*next* one (issue 16). Gradient-boosted probes on the disco_plus features, replayed with eval.replay's machinery.
+
+    python bench/stop_rule_probe.py [--out bench/results]
+
+The expected-value rule (decode.policies.ExpectedValueRule) decides after drafted token k whether to draft k + 1
+from Π a_i (the round survives so far) and a guess of a_{k+1}, which no policy has seen yet: it uses a_k. This
+probe measures, on the heads' traces (train: MBPP 511-570, calibration shift chosen on validation 571-600, replayed on
+the 500 test prompts, cost model under results/stop_heads/profile.json):
+- how well a_k predicts the next token's acceptance (AUROC on rows whose own token was accepted), against a probe
+  trained for exactly that (`next head`: the same features, label = the next row's acceptance);
+- the replayed speedup with a_next = a_k, with the next head's estimate, and with the next token's true outcome
+  (an upper bound on what a perfect guess of a_{k+1} would buy, current-token scores unchanged);
+- the current-token probe with two feature groups the head lacks: token classes of the drafted and previous token
+  (leading space, newline, digit, alpha, punctuation, length) and the line position (tokens since the last newline,
+  position in the continuation, prompt length).
+Writes stop_rule_probe.json / .md under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import string
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import numpy as np  # noqa: E402
+from sklearn.ensemble import HistGradientBoostingClassifier  # noqa: E402
+from sklearn.metrics import roc_auc_score  # noqa: E402
+
+from decode.policies import ExpectedValueRule, StopPolicy  # noqa: E402
+from eval.replay import CONTINUATION_COLUMNS, continuations, load_greedy_traces, replay_one, summarize  # noqa: E402
+from models.cost import CostProfile  # noqa: E402
+from models.features import FeatureSpec, continuation_starts, features_from_columns, needed_columns  # noqa: E402
+from utils.cli import UserError, fail  # noqa: E402
+from utils.files import write_result  # noqa: E402
+
+TRACES = REPO / "traces" / "smollm2_135m--mbpp--target_ar-t0-p1-n128-s0--"  # the heads' traces (results/stop_heads)
+SPEC = FeatureSpec("disco_plus", groups=("verify", "copy", "token"))
+GRID = [(a, b) for a in (0.5, 1.0, 2.0) for b in (-1.0, -0.5, 0.0, 0.5, 1.0, 2.0, 3.0)]  # study/stop_heads' (a, b)
+
+
+def token_classes(tokenizer) -> np.ndarray:
+    """(V, 6) per token id: leading space, newline, digits, letters, punctuation only, length (byte-level BPE marks)."""
+    out = np.zeros((len(tokenizer), 6), np.float32)
+    for i, s in enumerate(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))):
+        s = s or ""
+        core = s.replace("Ġ", "").replace("Ċ", "").replace("ĉ", "")
+        punct = bool(core) and all(ch in string.punctuation for ch in core)
+        out[i] = [s.startswith("Ġ"), "Ċ" in s, core.isdigit(), core.isalpha(), punct, len(core)]
+    return out
+
+
+def line_features(cols: dict, newline: np.ndarray) -> np.ndarray:
+    """(N, 3): tokens since the last newline in prompt + context before the row, position, prompt length."""
+    starts = np.flatnonzero(continuation_starts(cols))
+    ends = np.append(starts[1:], len(cols["position"]))
+    ctx = cols["context_token"].astype(np.int64)
+    out = np.zeros((len(ctx), 3), np.float32)
+    for a, b in zip(starts, ends):
+        prompt = np.asarray(cols["prompt_tokens"][a], dtype=np.int64)
+        where = np.flatnonzero(newline[prompt])
+        since = len(prompt) - 1 - where[-1] if len(where) else len(prompt)
+        for i in range(a, b):
+            out[i] = [since, cols["position"][i], len(prompt)]
+            since = 0 if newline[ctx[i]] else since + 1
+    return out
+
+
+def load(name: str, classes: np.ndarray):
+    names = list(dict.fromkeys([*needed_columns(SPEC), *CONTINUATION_COLUMNS]))
+    cols, _ = load_greedy_traces(Path(f"{TRACES}{name}"), names)
+    x = features_from_columns(cols, SPEC).numpy()
+    extra = np.c_[classes[cols["draft_token"].astype(np.int64)], classes[np.maximum(x[:, -1], 0).astype(np.int64)],
+                  line_features(cols, classes[:, 1] > 0)]
+    y = (cols["draft_token"] == cols["target_token"]).astype(np.int64)
+    has_next = np.zeros(len(y), bool)
+    has_next[:-1] = ~continuation_starts(cols)[1:]
+    y_next = np.where(has_next, np.roll(y, -1), 0)
+    return {"x": x, "extra": extra, "y": y, "next": y_next, "has_next": has_next, "conts": continuations(cols)}
+
+
+def gbm(x, y):
+    return HistGradientBoostingClassifier(max_iter=300, learning_rate=0.05, random_state=0).fit(x, y)
+
+
+class RowScores(StopPolicy):
+    """The expected-value rule on per-row P(accept) and, optionally, per-row guesses of the next row's, read through
+    the calibration shift σ(a·logit + b) the study tunes for every calibrated score."""
+
+    name = "probe"
+    needs_probs = False
+
+    def __init__(self, profile, a: float, b: float, max_len: int = 16):
+        super().__init__(max_len)
+        self.rule, self.a, self.b = ExpectedValueRule(profile, max_len), a, b
+
+    def shift(self, p):
+        p = np.clip(p, 1e-6, 1 - 1e-6)
+        return 1.0 / (1.0 + np.exp(-(self.a * np.log(p / (1 - p)) + self.b)))
+
+    def reset(self, synthetic=None, **ctx):
+        cur, nxt = synthetic
+        self.cur, self.nxt = self.shift(cur), None if nxt is None else self.shift(nxt)
+        self.rule.reset()
+
+    def should_stop(self, step):
+        if step.position_in_round == 0:
+            self.rule.reset()
+        i = step.position
+        return self.rule.stop(float(self.cur[i]), None if self.nxt is None else float(self.nxt[i]))
+
+
+def per_cont(data, values):
+    out, i = [], 0
+    for c in data["conts"]:
+        out.append(None if values is None else values[i : i + len(c.accepted)])
+        i += len(c.accepted)
+    return out
+
+
+def replay_speed(data, cur, nxt, profile, a, b) -> float:
+    pol = RowScores(profile, a, b)
+    cur_c, nxt_c = per_cont(data, cur), per_cont(data, nxt)
+    rounds = [replay_one(pol, c, synthetic=(u, v)) for c, u, v in zip(data["conts"], cur_c, nxt_c)]
+    return summarize(rounds, profile, data["conts"])["cost_model_speedup"]
+
+
+def tuned_speed(val, test, scores_val, scores_test, profile) -> dict:
+    """(a, b) chosen on validation for cost-model speedup, then the test speedup — as the study tunes every row."""
+    best = max(GRID, key=lambda ab: replay_speed(val, *scores_val, profile, *ab))
+    return {"a": best[0], "b": best[1], "speedup": replay_speed(test, *scores_test, profile, *best)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(REPO / "bench" / "results"))
+    ap.add_argument("--profile", default=str(REPO / "results" / "stop_heads" / "profile.json"))
+    args = ap.parse_args()
+    from models.pair import load_pair
+
+    classes = token_classes(load_pair("smollm2_135m").tokenizer)
+    tr, va, te = (load(s, classes) for s in ("train", "validation", "test-lim500"))
+    profile = CostProfile.from_dict(json.loads(Path(args.profile).read_text()))
+    cur = gbm(tr["x"], tr["y"])
+    rows = tr["has_next"] & (tr["y"] == 1)  # the rule only asks about a next token while the round survives
+    nxt = gbm(tr["x"][rows], tr["next"][rows])
+    rich = gbm(np.c_[tr["x"], tr["extra"]], tr["y"])
+    p = {n: {"cur": cur.predict_proba(d["x"])[:, 1], "next": nxt.predict_proba(d["x"])[:, 1],
+             "rich": rich.predict_proba(np.c_[d["x"], d["extra"]])[:, 1], "truth": d["next"] * 0.998 + 0.001}
+         for n, d in (("val", va), ("test", te))}
+    ask = te["has_next"] & (te["y"] == 1)
+    result = {
+        "traces": f"{TRACES.relative_to(REPO)}{{train,validation,test-lim500}}",
+        "profile": str(Path(args.profile).resolve().relative_to(REPO)) if Path(args.profile).resolve().is_relative_to(REPO)
+        else args.profile, "test_rows": int(len(te["y"])),
+        "auroc_current": {"max_q": roc_auc_score(te["y"], te["x"][:, 0]), "probe": roc_auc_score(te["y"], p["test"]["cur"]),
+                          "probe + token classes + line position": roc_auc_score(te["y"], p["test"]["rich"])},
+        "auroc_next_given_current_accepted": {"a_k (the rule's guess)": roc_auc_score(te["next"][ask], p["test"]["cur"][ask]),
+                                              "next head": roc_auc_score(te["next"][ask], p["test"]["next"][ask])},
+        "replay": {},
+    }
+    variants = {"a_next = a_k (the rule today)": ("cur", None), "a_next = next head": ("cur", "next"),
+                "a_next = the next token's outcome (bound)": ("cur", "truth"),
+                "a_k from the probe + token classes + line position": ("rich", None)}
+    for label, (c, n) in variants.items():
+        sv = (p["val"][c], None if n is None else p["val"][n])
+        st = (p["test"][c], None if n is None else p["test"][n])
+        result["replay"][label] = tuned_speed(va, te, sv, st, profile)
+    lines = ["| probe (gradient-boosted, disco_plus features) | value |", "|---|---|"]
+    lines += [f"| test AUROC, current token: {k} | {v:.3f} |" for k, v in result["auroc_current"].items()]
+    lines += [f"| test AUROC, next token given the current accepted: {k} | {v:.3f} |"
+              for k, v in result["auroc_next_given_current_accepted"].items()]
+    lines += [f"| replayed cost-model speedup (500 test prompts), {k} | {v['speedup']:.3f} |"
+              for k, v in result["replay"].items()]
+    write_result(Path(args.out), "stop_rule_probe", result, lines)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except UserError as err:
+        fail(str(err))
