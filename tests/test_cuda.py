@@ -38,7 +38,7 @@ def test_trace_generation_on_cuda_equals_cpu(tmp_path, tiny_pair, cuda_pair):
 def test_trainer_gpu_trains_a_head_that_loads_on_cpu(tmp_path):
     from models.heads import load_head
     from tests.test_train import RESULT_KEYS, cfg_for, splits
-    from train.__main__ import run
+    from train.job import run
 
     cfg = cfg_for("model=disco", "trainer=gpu", "trainer.max_epochs=2")
     assert cfg.trainer.accelerator == "gpu"

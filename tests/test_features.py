@@ -139,7 +139,7 @@ def test_disco_plus_trains_calibrates_and_decodes_losslessly(tmp_path, tiny_pair
 
     from decode.runner import main as decode
     from models.heads import load_head
-    from train.__main__ import run
+    from train.job import run
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose("train", ["pair=tiny_random", "logger=none", "dataset=mbpp", "model=disco_plus",

@@ -14,7 +14,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
 
 from models.heads import load_head
-from train.__main__ import run
+from train.job import run
 from train.module import StopHeadModule
 from utils.cli import CONF_DIR, UserError
 
@@ -198,7 +198,7 @@ def test_sprinter_on_tiny_interleaved_traces(tmp_path, tiny_pair):
     """Real data_gen traces (interleaved, hidden states stored) → SPRINTER head; the spec's d is the draft's hidden size."""
     from data_gen.run import generate
     from data_gen.store import split_cfg
-    from train.__main__ import load_traces
+    from train.job import load_traces
 
     cfg = cfg_for("+experiment=smoke", "trace=interleaved", "model=sprinter", "labels=ratio", "labels.tau=1.5",
                   "trainer=fast_dev_run", "logger=none", f"trace_root={tmp_path / 'traces'}", "trace.max_new_tokens=12",
@@ -217,7 +217,7 @@ def test_sprinter_on_tiny_interleaved_traces(tmp_path, tiny_pair):
 
 def test_trace_dirs_from_another_pair_refused_before_generation(smoke_traces):
     """`trace_dirs.train=DIR` holding another pair's traces: one UserError before anything is generated."""
-    from train.__main__ import load_traces
+    from train.job import load_traces
 
     folder = next(smoke_traces.glob("tiny_random--*--train-*"))
     cfg = cfg_for("pair=smollm2_135m", f"trace_dirs.train={folder}", f"trace_root={smoke_traces}")
