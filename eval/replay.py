@@ -328,10 +328,10 @@ def replay_synthetic(aurocs, conts_tune, conts_eval, profile: CostProfile, seed:
     return out
 
 
-def constant_profile(c: float) -> CostProfile:
-    """The classic cost model as a profile: every target pass one step, a draft step c, prefills likewise."""
-    return CostProfile(key={"constant_c": c}, draft_ms=[c], target_ms=[1.0], prefill_lengths=[1],
-                       prefill_target_ms=[1.0], prefill_draft_ms=[c], context=1, repeats=0)
+def constant_profile(cost_ratio: float) -> CostProfile:
+    """The classic cost model as a profile: every target pass one step, a draft step cost_ratio, prefills likewise."""
+    return CostProfile(key={"constant_c": cost_ratio}, draft_ms=[cost_ratio], target_ms=[1.0], prefill_lengths=[1],
+                       prefill_target_ms=[1.0], prefill_draft_ms=[cost_ratio], context=1, repeats=0)
 
 
 def cost_profile(cfg_replay) -> tuple[CostProfile, str]:
@@ -356,8 +356,8 @@ def cost_profile(cfg_replay) -> tuple[CostProfile, str]:
     if isinstance(data, dict) and data.get("cost_profile"):
         return CostProfile.from_dict(data["cost_profile"]), f"cost profile of {path}"
     if isinstance(data, dict) and isinstance(data.get("measured_c"), (int, float)):
-        c = float(data["measured_c"])
-        return constant_profile(c), f"constant c = {c:.3f} ({path} has no cost profile)"
+        cost_ratio = float(data["measured_c"])
+        return constant_profile(cost_ratio), f"constant c = {cost_ratio:.3f} ({path} has no cost profile)"
     raise UserError(f"replay.c_from={path} holds neither a cost_profile nor a measured_c; pass a decode run's run.json")
 
 

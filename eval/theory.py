@@ -167,16 +167,16 @@ def expected_tokens_per_round(alpha: float, gamma: int) -> float:
     return (1 - alpha ** (gamma + 1)) / (1 - alpha)
 
 
-def improvement_factor(alpha: float, gamma: int, c: float) -> float:
+def improvement_factor(alpha: float, gamma: int, cost_ratio: float) -> float:
     """Leviathan et al.'s walltime improvement: a round costs γ draft steps + one target pass = γc + 1 target steps,
     target-only decoding costs 1 per token, so speedup = E[tokens per round] ÷ (γc + 1)."""
-    return expected_tokens_per_round(alpha, gamma) / (gamma * c + 1)
+    return expected_tokens_per_round(alpha, gamma) / (gamma * cost_ratio + 1)
 
 
-def best_gamma(alpha: float, c: float, max_gamma: int = 64) -> tuple[int, float]:
+def best_gamma(alpha: float, cost_ratio: float, max_gamma: int = 64) -> tuple[int, float]:
     """The integer γ ≥ 1 maximising `improvement_factor` (and that factor)."""
     gammas = range(1, max_gamma + 1)
-    factors = [improvement_factor(alpha, g, c) for g in gammas]
+    factors = [improvement_factor(alpha, g, cost_ratio) for g in gammas]
     i = int(np.argmax(factors))
     return gammas[i], float(factors[i])
 
@@ -212,21 +212,22 @@ def latency_per_token_recursive(p: float, a: float, b: float, k: int) -> float:
     return (1 - p) * (a + b) + L(1)
 
 
-def speedup_curve(alpha: float, c: float, gammas: Iterable[int] = range(1, 11)) -> list[dict]:
-    """Predicted speedup over target-only decoding per constant draft length γ, from measured α and c.
+def speedup_curve(alpha: float, cost_ratio: float, gammas: Iterable[int] = range(1, 11)) -> list[dict]:
+    """Predicted speedup over target-only decoding per constant draft length γ, from measured α and cost_ratio.
 
     Units: one target step = 1, so target-only costs 1 per token; a round has a = γc, b = 1 (a verify pass of γ + 1
     tokens is taken to cost one step — on memory-bound hardware it nearly does; on our CPU it does not, which is what
-    decode's measured c and speedup reveal). `leviathan` = E[N + 1]/(γc + 1); `latency_model` = 1/E_pt (eq. 12–13).
+    decode's measured cost_ratio and speedup reveal). `leviathan` = E[N + 1]/(γc + 1) with c = cost_ratio;
+    `latency_model` = 1/E_pt (eq. 12–13).
     """
     rows = []
     for g in gammas:
-        ept = latency_per_token(alpha, g * c, 1.0, g)
+        ept = latency_per_token(alpha, g * cost_ratio, 1.0, g)
         rows.append(
             {
                 "gamma": int(g),
                 "tokens_per_round": expected_tokens_per_round(alpha, g),
-                "leviathan": improvement_factor(alpha, g, c),
+                "leviathan": improvement_factor(alpha, g, cost_ratio),
                 "latency_per_token": ept,
                 "latency_model": 1.0 / ept,
             }

@@ -178,10 +178,11 @@ def trace_statistics(ds, labels_cfg: DictConfig | None = None, svip_c: float = 0
     return {"stats": out, "raw": raw}
 
 
-def speedup_prediction(stats: dict, sampled: bool, c: float, max_gamma: int = 10) -> dict:
-    """Item 4 on these traces: α measured here, c given (decode measures it), predicted speedup per constant γ from
-    both models in eval.theory, and Leviathan's best γ. α = the greedy match rate for greedy target_ar traces (greedy
-    verification), else mean 1 − TVD (exact sampling's acceptance; interleaved traces draw x ~ q)."""
+def speedup_prediction(stats: dict, sampled: bool, cost_ratio: float, max_gamma: int = 10) -> dict:
+    """Item 4 on these traces: α measured here, cost_ratio given (decode measures it), predicted speedup per
+    constant γ from both models in eval.theory, and Leviathan's best γ. α = the greedy match rate for greedy
+    target_ar traces (greedy verification), else mean 1 − TVD (exact sampling's acceptance; interleaved traces draw
+    x ~ q)."""
     from eval import theory
 
     b = stats["entropy_binned"]
@@ -190,9 +191,9 @@ def speedup_prediction(stats: dict, sampled: bool, c: float, max_gamma: int = 10
     w = np.asarray(b["count"], dtype=float)
     key = "1-TVD" if sampled else "greedy match"
     alpha = float(np.dot(w, b[key]) / w.sum())
-    g, f = theory.best_gamma(alpha, c)
-    return {"alpha": alpha, "alpha_from": key, "c": c, "best_gamma": g, "best_speedup": f,
-            "per_gamma": theory.speedup_curve(alpha, c, range(1, max_gamma + 1))}
+    g, f = theory.best_gamma(alpha, cost_ratio)
+    return {"alpha": alpha, "alpha_from": key, "c": cost_ratio, "best_gamma": g, "best_speedup": f,
+            "per_gamma": theory.speedup_curve(alpha, cost_ratio, range(1, max_gamma + 1))}
 
 
 def write_plots(result: dict, out_dir: Path, max_points: int = 3000) -> list[Path]:
