@@ -184,8 +184,7 @@ class DraftStep:
     # ids outside which probs is exactly 0 (a reduced-vocabulary draft, models.lm.LM.support): top-k and entropy
     # read only these — the same values (zeros add nothing), a sixth of the work on an 8k-of-49k FR-Spec draft
     support: torch.Tensor | None = None
-
-    _on_support: torch.Tensor | None = None
+    _on_support: torch.Tensor | None = None  # probs on the support, gathered once for top-k and entropy
 
     def _mass(self) -> torch.Tensor:
         if self.support is None:
