@@ -14,7 +14,8 @@ the 500 test prompts, cost model under results/stop_heads/profile.json):
 - the current-token probe with two feature groups the head lacks: token classes of the drafted and previous token
   (leading space, newline, digit, alpha, punctuation, length) and the line position (tokens since the last newline,
   position in the continuation, prompt length).
-Writes stop_rule_probe.json / .md under --out.
+Writes stop_rule_probe.json / .md under --out. argparse, not Hydra: a fixed measurement on fixed trace folders, with
+only its output folder and profile file to choose.
 """
 
 from __future__ import annotations
