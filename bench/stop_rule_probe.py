@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import string
 import sys
 from pathlib import Path
@@ -33,7 +34,7 @@ import numpy as np  # noqa: E402
 from sklearn.ensemble import HistGradientBoostingClassifier  # noqa: E402
 from sklearn.metrics import roc_auc_score  # noqa: E402
 
-from decode.policies import ExpectedValueRule, StopPolicy  # noqa: E402
+from decode.policies import ExpectedValueRule, StopPolicy, platt  # noqa: E402
 from eval.replay import CONTINUATION_COLUMNS, continuations, load_greedy_traces, replay_one, summarize  # noqa: E402
 from models.cost import CostProfile  # noqa: E402
 from models.features import FeatureSpec, continuation_starts, features_from_columns, needed_columns  # noqa: E402
@@ -42,7 +43,15 @@ from utils.files import write_result  # noqa: E402
 
 TRACES = REPO / "traces" / "smollm2_135m--mbpp--target_ar-t0-p1-n128-s0--"  # the heads' traces (results/stop_heads)
 SPEC = FeatureSpec("disco_plus", groups=("verify", "copy", "token"))
-GRID = [(a, b) for a in (0.5, 1.0, 2.0) for b in (-1.0, -0.5, 0.0, 0.5, 1.0, 2.0, 3.0)]  # study/stop_heads' (a, b)
+STUDY = REPO / "conf" / "experiment" / "study" / "stop_heads.yaml"  # its expected_value grid: the (a, b) every row gets
+
+
+def shift_grid() -> list[tuple[float, float]]:
+    """The calibration shifts (a, b) the study tunes the training-free expected-value row and the heads over."""
+    from omegaconf import OmegaConf
+
+    grid = OmegaConf.load(STUDY).tune.grid.expected_value
+    return [(float(a), float(b)) for a in grid.a for b in grid.b]
 
 
 def token_classes(tokenizer) -> np.ndarray:
@@ -91,7 +100,7 @@ def gbm(x, y):
 
 class RowScores(StopPolicy):
     """The expected-value rule on per-row P(accept) and, optionally, per-row guesses of the next row's, read through
-    the calibration shift σ(a·logit + b) the study tunes for every calibrated score."""
+    the calibration shift σ(a·logit + b) (decode.policies.platt) the study tunes for every calibrated score."""
 
     name = "probe"
     needs_probs = False
@@ -100,20 +109,19 @@ class RowScores(StopPolicy):
         super().__init__(max_len)
         self.rule, self.a, self.b = ExpectedValueRule(profile, max_len), a, b
 
-    def shift(self, p):
-        p = np.clip(p, 1e-6, 1 - 1e-6)
-        return 1.0 / (1.0 + np.exp(-(self.a * np.log(p / (1 - p)) + self.b)))
+    def shift(self, p: float) -> float:
+        p = min(max(float(p), 1e-6), 1 - 1e-6)  # as decode.policies.Learned reads a head's P(accept)
+        return platt(math.log(p / (1 - p)), self.a, self.b)
 
     def reset(self, synthetic=None, **ctx):
-        cur, nxt = synthetic
-        self.cur, self.nxt = self.shift(cur), None if nxt is None else self.shift(nxt)
+        self.cur, self.nxt = synthetic
         self.rule.reset()
 
     def should_stop(self, step):
         if step.position_in_round == 0:
             self.rule.reset()
         i = step.position
-        return self.rule.stop(float(self.cur[i]), None if self.nxt is None else float(self.nxt[i]))
+        return self.rule.stop(self.shift(self.cur[i]), None if self.nxt is None else self.shift(self.nxt[i]))
 
 
 def per_cont(data, values):
@@ -133,7 +141,7 @@ def replay_speed(data, cur, nxt, profile, a, b) -> float:
 
 def tuned_speed(val, test, scores_val, scores_test, profile) -> dict:
     """(a, b) chosen on validation for cost-model speedup, then the test speedup — as the study tunes every row."""
-    best = max(GRID, key=lambda ab: replay_speed(val, *scores_val, profile, *ab))
+    best = max(shift_grid(), key=lambda ab: replay_speed(val, *scores_val, profile, *ab))
     return {"a": best[0], "b": best[1], "speedup": replay_speed(test, *scores_test, profile, *best)}
 
 
