@@ -1,15 +1,7 @@
 """`python -m train +experiment=NAME`: traces (generated first if missing) → stop head → test metrics, curves, results.
 
-One job top to bottom: load or generate the traces for train/validation/test (data_gen; the pair is loaded once and
-only if something must be generated), build features and labels (TraceDataModule), fit the head with early
-stopping on `val/auroc`, keep the best checkpoint (it carries the threshold chosen on validation and everything
-decode needs), reload it with `models.heads.load_head`, test it, and write:
-
-- `results.json` (test/auroc, test/ap, test/f1, test/f1_static_best, threshold, ckpt_path, ...),
-- `checkpoints/best.ckpt` with `roc.png` and `pr.png` beside it (and to W&B as plots when W&B is on),
-- `csv/` (always) and `wandb/` (offline by default; `wandb sync <run dir>/wandb/offline-run-*` uploads later).
-
-The work lives in train/job.py (`run`); this entry composes the config, calls it and prints.
+What the job does and writes (results.json, the checkpoint with its ROC/PR plots, CSV and offline W&B logs):
+train/job.py, whose `run` this entry calls after composing the config.
 The run directory is printed on the last line of stdout. The function returns the monitored metric (best
 `val/auroc`, or `optimized_metric`), which is what an Optuna sweep (`hparams_search=...`) maximises.
 """
