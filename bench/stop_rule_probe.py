@@ -152,6 +152,8 @@ def main() -> None:
     args = ap.parse_args()
     from models.pair import load_pair
 
+    if not Path(args.profile).is_file():
+        raise UserError(f"--profile {args.profile} not found; pass a profile file (python -m decode.profile out=F)")
     classes = token_classes(load_pair("smollm2_135m").tokenizer)
     tr, va, te = (load(s, classes) for s in ("train", "validation", "test-lim500"))
     profile = CostProfile.from_dict(json.loads(Path(args.profile).read_text()))
