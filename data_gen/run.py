@@ -183,8 +183,9 @@ def generate(cfg: DictConfig, split: str, pair=None) -> Path:
     items, note = prepare_items(cfg, pair, prompts, s)
     if note:
         print(f"note: {note}", flush=True)
-    plan = Plan(folder, chash, math.ceil(len(items) / s.prompts_per_shard),
-                str(pair.dtype).replace("torch.", ""))  # dtype: what pair.dtype=auto resolved to on this machine
+    # dtype and linear: what pair.dtype / pair.linear = auto resolved to on this machine
+    plan = Plan(folder, chash, math.ceil(len(items) / s.prompts_per_shard), str(pair.dtype).replace("torch.", ""),
+                pair.linear)
     if resuming:
         _check_resumable(plan, manifest, pair)
     else:
@@ -217,6 +218,7 @@ class Plan:
     config_hash: str
     n_shards: int  # groups of `prompts_per_shard` prompts
     dtype: str
+    linear: str = "torch"
 
 
 def _other_config(folder: Path, manifest: dict, chash: str) -> UserError:
@@ -248,6 +250,7 @@ def _new_manifest(cfg: DictConfig, split: str, pair, s: Settings, plan: Plan, it
         "pair_id": pair.pair_id,
         "tokenizer_hash": pair.tokenizer_hash,
         "dtype": plan.dtype,
+        "linear": plan.linear,
         "code_version": store.code_version(),
         "trace_kind": str(cfg.trace.kind),
         "split": split,
@@ -331,6 +334,12 @@ def _check_resumable(plan: Plan, manifest: dict, pair) -> None:
         raise UserError(
             f"traces at {folder} were started in {manifest['dtype']} but this machine resolves pair.dtype to {dtype}; "
             f"pass pair.dtype={manifest['dtype']} to resume them, or overwrite=true to regenerate"
+        )
+    made_with = manifest.get("linear", "torch")  # folders from before pair.linear used torch's product
+    if made_with != plan.linear:  # float32 rounds differently in the two products (models.lm_head)
+        raise UserError(
+            f"traces at {folder} were started with pair.linear={made_with} but this run resolves it to {plan.linear}; "
+            f"pass pair.linear={made_with} to resume them, or overwrite=true to regenerate"
         )
     if manifest.get("num_shards_planned") != plan.n_shards:
         raise UserError(f"{folder} plans {manifest.get('num_shards_planned')} shards but this run {plan.n_shards}; "

@@ -72,7 +72,7 @@ def trace_folder(cfg: DictConfig, split: str) -> Path:
 def hash_payload(cfg: DictConfig) -> dict:
     """Everything that decides the rows (not batch size, device or sharding, which never change them)."""
     pair = OmegaConf.to_container(cfg.pair, resolve=True)
-    for key in ("device", "cache_dir"):
+    for key in ("device", "cache_dir", "linear"):  # linear: the manifest records what it resolved to (data_gen.run)
         pair.pop(key, None)
     return {
         "format": FORMAT_VERSION,

@@ -8,16 +8,13 @@ import time
 import torch
 from transformers import DynamicCache
 
-from models.lm_head import head_logits
-
 
 class LM:
     """A causal LM called with a KV cache, returning logits (sliced to the pair vocab) and last hidden states.
 
     Uses the base model + output embedding directly (hidden = the final-norm output that produces the logits, as
-    models.features defines it) so the LM head runs only on the positions asked for, through
-    `models.lm_head.head_logits` (float32 on CPU avoids torch's slow small-row product there). Models that post-process
-    logits (softcapping, logit scales) go through the full forward instead.
+    models.features defines it) so the LM head runs only on the positions asked for. Models that post-process logits
+    (softcapping, logit scales) go through the full forward instead.
     """
 
     def __init__(self, model, vocab_size: int):
@@ -49,7 +46,7 @@ class LM:
             if last == 0:
                 return None, None
             h = h[-last:]
-            return head_logits(self.head, h)[..., : self.vocab], h
+            return self.head(h)[..., : self.vocab], h
         out = self.model(input_ids=x, past_key_values=cache, use_cache=True, output_hidden_states=True,
                          logits_to_keep=max(last, 1))
         if last == 0:

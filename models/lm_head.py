@@ -1,13 +1,17 @@
-"""The LM head at decode time: a fast product for the few rows a decoding step needs, and a reduced-vocabulary
-draft head (FR-Spec).
+"""Fast linear products for decoding on CPU, and a reduced-vocabulary draft head (FR-Spec).
 
-**Why a product of our own.** At batch 1 a decoding step projects 1 to K+1 hidden states onto the vocabulary
-(49,152 × 576 for SmolLM2: two thirds of a 4-layer draft step). In float32 on the CPUs we measured, torch's
-`F.linear(h, W)` runs that shape as if each row were its own matrix-vector product — 11 / 22 / 33 ms for 1 / 2 / 3
-rows on a 2-core AMD EPYC — while `W @ h.T` (the weight as the tall left operand) takes 4.5-6.5 ms for 2-4 rows,
-and a single row padded to two costs the same. `bench/head_gemm.py` measures both on your machine
-(→ bench/results/head_gemm.json). bf16 and CUDA keep `F.linear`, which has no such cliff there. Both the
-target-only baseline and speculative decoding go through this one function, so every method pays the same.
+**Why a product of our own** (issue 15). At batch 1 a decoding step multiplies 1 to K+1 rows by every weight matrix.
+On the CPUs we measured, torch's `F.linear` is slow there in both dtypes, for two reasons `bench/head_gemm.py` shows:
+- float32 goes to MKL's sgemm, which runs 2-3 rows as if each were its own matrix-vector product (the 49,152 x 576
+  LM head: 10 / 22 / 33 ms for n = 1 / 2 / 3 on a 2-core AMD EPYC; a 1536 x 576 MLP product 70 / 135 / 199 us), so
+  verifying K tokens cost 1.6-2.0 target steps in float32;
+- bfloat16 goes to oneDNN, which reorders the weight into its blocked layout on *every* call (about half the time).
+`PackedLinear` reorders each weight once (`torch.ops.mkldnn._reorder_linear_weight`, the path torch's inductor
+takes for frozen CPU linears) and multiplies with oneDNN: 3.4-4.7 ms for the head at n = 1..8 in float32 and
+1.3-1.7 ms in bf16, the same product bit for bit as `F.linear` in bf16 (float32 differs from MKL's in the last bits,
+~1e-6 relative, and is identical row by row and batched, so a K-token verification sees the numbers K single steps
+would). `pair.linear=auto` packs on CPU when torch has oneDNN; `torch` keeps torch's own product. Both the
+target-only baseline and speculative decoding run the same modules, so every method pays the same.
 
 **FR-Spec** (arXiv 2502.14856): the draft scores only the N most frequent tokens. `SubsetHead` keeps those N rows of
 the output matrix and returns full-width logits with −inf elsewhere, so q is a proper distribution on the subset
@@ -24,41 +28,91 @@ import torch
 
 from utils.cli import UserError
 
-
-FAST_FLOAT32 = True  # bench/head_gemm.py turns it off to time torch's own product ("before")
-
-
-def project(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """h (n, d) @ weight (V, d)ᵀ → (n, V), by the fastest form for this dtype and device (module docstring)."""
-    if not FAST_FLOAT32 or weight.dtype != torch.float32 or weight.device.type != "cpu" or h.ndim != 2:
-        return torch.nn.functional.linear(h, weight)
-    if h.shape[0] == 1:  # a matrix-vector product is the slow path: pad to two rows
-        return (weight @ torch.cat([h, h]).t())[:, :1].t().contiguous()
-    return (weight @ h.t()).t().contiguous()
+LINEARS = ("auto", "packed", "torch")
 
 
-def head_logits(head: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
-    """Logits of an output head for hidden states h (n, d): a plain bias-free Linear goes through `project`."""
-    if type(head) is torch.nn.Linear and head.bias is None:
-        return project(h, head.weight)
-    return head(h)
+def packed_available() -> bool:
+    """Whether this torch build has oneDNN's prepacked linear (CPU builds from PyPI do)."""
+    ops = torch.ops.mkldnn
+    return torch.backends.mkldnn.is_available() and hasattr(ops, "_linear_pointwise") and hasattr(ops, "_reorder_linear_weight")
+
+
+def resolve_linear(name: str, device: torch.device) -> str:
+    """`auto`: `packed` on CPU when oneDNN is there, else `torch` (CUDA's own GEMMs have no such cliff)."""
+    if name not in LINEARS:
+        raise UserError(f"pair.linear must be one of {', '.join(LINEARS)}, got '{name}'")
+    usable = device.type == "cpu" and packed_available()
+    if name == "packed" and not usable:
+        raise UserError("pair.linear=packed needs a CPU device and a torch build with oneDNN "
+                        "(torch.backends.mkldnn); use pair.linear=auto or pair.linear=torch")
+    return "torch" if name == "torch" else ("packed" if usable else "torch")
+
+
+class PackedLinear(torch.nn.Module):
+    """A Linear whose weight oneDNN reorders once; same parameters (and state_dict keys) as the Linear it replaces.
+
+    Inference only: with autograd recording (a weight that requires grad, grad enabled) it is plain `F.linear`, and
+    the packed copy is rebuilt when the weight changes in place (an optimizer step, `load_state_dict`), so training
+    a packed model stays correct. Weights stay shared, so tied embeddings stay tied."""
+
+    def __init__(self, weight: torch.nn.Parameter, bias: torch.nn.Parameter | None = None):
+        super().__init__()
+        self.weight, self.bias = weight, bias
+        self.out_features, self.in_features = weight.shape
+        self._packed, self._version = None, None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if torch.is_grad_enabled() and (w.requires_grad or x.requires_grad) or w.dtype != x.dtype:
+            return torch.nn.functional.linear(x, w, self.bias)
+        version = None if w.is_inference() else w._version  # inference tensors keep no version counter
+        if self._packed is None or self._version != version:
+            with torch.no_grad():
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
+            self._version = version
+        bias = None if self.bias is None else self.bias.detach()
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [None], "")
+
+
+MIN_PACKED = 1 << 17  # weights smaller than this lose to F.linear: oneDNN's ~15 us fixed cost per call
+
+
+def pack_linears(model: torch.nn.Module, min_elements: int = MIN_PACKED) -> int:
+    """Replace every plain float32/bf16 CPU `nn.Linear` of at least `min_elements` weights in `model` by a
+    `PackedLinear` sharing its parameters; returns how many. Smaller ones (SmolLM2's 192 x 576 k/v projections:
+    9 us by F.linear, 22 packed, for one row in float32) keep torch's product."""
+    n = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            w = getattr(child, "weight", None)
+            if type(child) is torch.nn.Linear and w.device.type == "cpu" and w.numel() >= min_elements \
+                    and w.dtype in (torch.float32, torch.bfloat16):
+                setattr(module, name, PackedLinear(child.weight, child.bias))
+                n += 1
+    return n
 
 
 class SubsetHead(torch.nn.Module):
     """An output head that scores only `ids` (the draft's reduced vocabulary) and returns full-width logits, −inf
-    outside the subset. `out_features` is the full vocabulary, as for the Linear it replaces."""
+    outside the subset. `out_features` is the full vocabulary, as for the Linear it replaces. The product is a child
+    Linear (`proj`), so `pack_linears` packs it like any other."""
 
     def __init__(self, weight: torch.Tensor, ids: torch.Tensor, vocab: int):
         super().__init__()
         ids = torch.as_tensor(ids, dtype=torch.long).sort().values
         self.register_buffer("ids", ids, persistent=False)
-        self.weight = torch.nn.Parameter(weight.detach()[ids].clone(), requires_grad=False)
+        self.proj = torch.nn.Linear(weight.shape[1], len(ids), bias=False, device=weight.device, dtype=weight.dtype)
+        self.proj.weight = torch.nn.Parameter(weight.detach()[ids].clone(), requires_grad=False)
         self.out_features = int(vocab)
         self.in_features = int(weight.shape[1])
 
+    @property
+    def weight(self) -> torch.nn.Parameter:
+        return self.proj.weight
+
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         flat = h.reshape(-1, h.shape[-1])
-        z = project(flat, self.weight)
+        z = self.proj(flat)
         out = z.new_full((flat.shape[0], self.out_features), float("-inf"))
         out.index_copy_(1, self.ids, z)
         return out.reshape(*h.shape[:-1], self.out_features)

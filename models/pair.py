@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from models.lm_head import SubsetHead, pack_linears, read_frequencies, resolve_linear, subset_ids
 from utils.cli import UserError, check_name
 from utils.files import sha256_file
 
@@ -59,6 +60,7 @@ class Pair:
     chat_template: bool
     vocab_size: int
     cfg: DictConfig
+    linear: str = "torch"  # the linear product, what pair.linear resolved to (models.lm_head)
 
     @property
     def pair_id(self) -> str:
@@ -359,7 +361,6 @@ def reduce_draft_vocab(draft, tokenizer, src: DictConfig, vocab: int):
     """FR-Spec: the draft scores only the `vocab_subset` most frequent tokens of `vocab_freq` (plus the special
     tokens), through `models.lm_head.SubsetHead`; the target keeps the whole vocabulary, so exact verification stays
     lossless. The draft's own head is replaced, never the target's (a shared Linear stays with the target)."""
-    from models.lm_head import SubsetHead, read_frequencies, subset_ids
 
     if not src.get("vocab_freq"):
         raise UserError("draft.vocab_subset needs draft.vocab_freq (a file from `python -m train.vocab_subset`)")
@@ -388,6 +389,10 @@ def load_pair(cfg: DictConfig | str) -> Pair:
     vocab = min(_head_width(target), _head_width(draft))
     if cfg.draft.get("vocab_subset"):
         draft = reduce_draft_vocab(draft, tok, cfg.draft, vocab)
+    linear = resolve_linear(str(cfg.get("linear", "auto")), device)
+    if linear == "packed":
+        pack_linears(target)
+        pack_linears(draft)
     return Pair(
         name=str(cfg.name),
         draft=draft,
@@ -399,4 +404,5 @@ def load_pair(cfg: DictConfig | str) -> Pair:
         chat_template=bool(cfg.get("chat_template", True)) and bool(getattr(tok, "chat_template", None)),
         vocab_size=vocab,
         cfg=cfg,
+        linear=linear,
     )

@@ -143,6 +143,21 @@ def test_resume_refuses_traces_started_in_another_dtype(tmp_path, tiny_pair):
         generate(make_cfg(tmp_path, "limit=2"), "train", tiny_pair)
 
 
+def test_resume_refuses_traces_started_with_another_linear(tmp_path, tiny_pair):
+    """pair.linear=auto packs on CPU (models.lm_head); a folder started with torch's product is not continued with
+    another, and folders from before the setting count as torch's."""
+    import json
+
+    folder = generate(make_cfg(tmp_path, "limit=2"), "train", tiny_pair)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["linear"] == tiny_pair.linear
+    other = "torch" if tiny_pair.linear == "packed" else "packed"
+    manifest.update(complete=False, linear=other)
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(UserError, match=f"pass pair.linear={other} to resume"):
+        generate(make_cfg(tmp_path, "limit=2"), "train", tiny_pair)
+
+
 def _one_error_line(proc):
     lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
     assert proc.returncode == 2, proc.stderr

@@ -103,18 +103,88 @@ def test_profile_cli_prints_the_curve(cli, tmp_path):
     assert len(json.loads(out.read_text())["target_ms"]) == 3
 
 
-# ------------------------------------------------------------------------------------------------------ LM head
+# -------------------------------------------------------------------------------------- linear products, LM head
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 5, 9])
-def test_fast_float32_product_equals_linear(n):
-    from models.lm_head import project
+needs_onednn = pytest.mark.skipif(not __import__("models.lm_head").lm_head.packed_available(),
+                                  reason="this torch build has no oneDNN")
 
-    g = torch.Generator().manual_seed(n)
-    w, h = torch.randn(1000, 48, generator=g), torch.randn(n, 48, generator=g)
-    got = project(h, w)
-    assert got.shape == (n, 1000) and got.is_contiguous()
-    torch.testing.assert_close(got, torch.nn.functional.linear(h, w), rtol=1e-5, atol=1e-4)
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_linear_equals_linear_and_is_batch_invariant(dtype):
+    """The packed product is F.linear's (bit for bit in bf16, to rounding in float32), and a row gives the same bits
+    alone and inside a batch: a K-token verification sees exactly what K single steps would."""
+    from models.lm_head import PackedLinear
+
+    g = torch.Generator().manual_seed(0)
+    lin = torch.nn.Linear(96, 700, bias=True).to(dtype)
+    torch.nn.init.normal_(lin.weight, generator=g)
+    packed = PackedLinear(lin.weight, lin.bias)
+    h = torch.randn(1, 9, 96, generator=g).to(dtype)
+    with torch.inference_mode():
+        got, want = packed(h), lin(h)
+        rows = torch.cat([packed(h[:, i : i + 1]) for i in range(9)], dim=1)
+    assert got.shape == (1, 9, 700)
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    assert torch.equal(rows, got)
+
+
+@needs_onednn
+def test_packed_linear_follows_weight_updates_and_trains():
+    """In-place weight changes (an optimizer step, load_state_dict) repack; with grad recording it is F.linear, so
+    gradients flow; parameters and state_dict keys are the Linear's."""
+    from models.lm_head import PackedLinear
+
+    lin = torch.nn.Linear(64, 300, bias=False)
+    packed = PackedLinear(lin.weight)
+    assert list(packed.state_dict()) == ["weight"]
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        before = packed(x)
+        lin.weight.mul_(2.0)
+        torch.testing.assert_close(packed(x), 2 * before, rtol=1e-5, atol=1e-4)
+    packed(x).sum().backward()
+    assert lin.weight.grad is not None and lin.weight.grad.shape == (300, 64)
+
+
+@needs_onednn
+def test_packed_pair_is_lossless_and_keeps_ties(tiny_cfg):
+    """The tiny pair with every Linear packed: tied embeddings stay tied, the state_dict keeps its keys, and greedy
+    decoding is token-identical to target-only for every exact policy (the real pair: test_decode's `real` check)."""
+    from models.lm_head import PackedLinear, pack_linears
+    from models.pair import load_pair
+    from tests.test_decode import greedy_runs
+
+    pair = load_pair(tiny_cfg)
+    keys = set(pair.target.state_dict())
+    assert pack_linears(pair.target, min_elements=0) > 0 and pack_linears(pair.draft, min_elements=0) > 0
+    assert set(pair.target.state_dict()) == keys
+    head = pair.target.get_output_embeddings()
+    assert isinstance(head, PackedLinear)
+    if pair.target.config.tie_word_embeddings:
+        assert head.weight is pair.target.get_input_embeddings().weight
+    for text, pol, res, ref in greedy_runs(pair, 24):
+        assert res.tokens == ref.tokens, f"{pol.name} diverged on {text!r} with packed products"
+
+
+def test_linear_setting_resolves_per_device(monkeypatch):
+    import models.lm_head as lm_head
+    from utils.cli import UserError
+
+    monkeypatch.setattr(lm_head, "packed_available", lambda: True)
+    assert lm_head.resolve_linear("auto", torch.device("cpu")) == "packed"
+    assert lm_head.resolve_linear("auto", torch.device("cuda")) == "torch"
+    assert lm_head.resolve_linear("torch", torch.device("cpu")) == "torch"
+    with pytest.raises(UserError, match="pair.linear=packed needs a CPU"):
+        lm_head.resolve_linear("packed", torch.device("cuda"))
+    with pytest.raises(UserError, match="must be one of"):
+        lm_head.resolve_linear("fast", torch.device("cpu"))
+    monkeypatch.setattr(lm_head, "packed_available", lambda: False)
+    assert lm_head.resolve_linear("auto", torch.device("cpu")) == "torch"
 
 
 def subset_pair(tiny_cfg, tmp_path, n: int):
