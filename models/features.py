@@ -58,6 +58,9 @@ def tvd(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return 0.5 * (p - q).abs().sum(-1)
 
 
+SMALL_TOPK = 16384  # up to this width (an FR-Spec draft's support) one plain top-k is fewer ops than two stages
+
+
 def topk_probs(probs: torch.Tensor, k: int = DEFAULT_TOPK, chunk: int = 256) -> torch.Tensor:
     """The k largest probabilities, sorted descending (the values of `probs.topk(k)`, bit for bit).
 
@@ -68,7 +71,7 @@ def topk_probs(probs: torch.Tensor, k: int = DEFAULT_TOPK, chunk: int = 256) -> 
     """
     vocab = probs.shape[-1]
     n = vocab // chunk
-    if n < 2 * k:
+    if n < 2 * k or vocab <= SMALL_TOPK:
         return probs.topk(k, dim=-1).values
     lead = probs.shape[:-1]
     body = probs[..., : n * chunk].reshape(*lead, n, chunk)
