@@ -7,10 +7,10 @@ On the CPUs we measured, torch's `F.linear` is slow there in both dtypes, for tw
   verifying K tokens cost 1.6-2.0 target steps in float32;
 - bfloat16 goes to oneDNN, which reorders the weight into its blocked layout on *every* call (about half the time).
 `PackedLinear` reorders each weight once (`torch.ops.mkldnn._reorder_linear_weight`, the path torch's inductor
-takes for frozen CPU linears) and multiplies with oneDNN: 3.4-4.7 ms for the head at n = 1..8 in float32 and
-1.3-1.7 ms in bf16, the same product bit for bit as `F.linear` in bf16 (float32 differs from MKL's in the last bits,
-~1e-6 relative, and is identical row by row and batched, so a K-token verification sees the numbers K single steps
-would). `pair.linear=auto` packs on CPU when torch has oneDNN; `torch` keeps torch's own product. Both the
+takes for frozen CPU linears) and multiplies with oneDNN: the head takes 3.1-5.4 ms for n = 1..9 in float32 (F.linear
+10-35 ms) and 2.3-3.1 ms in bf16 (F.linear 3.6-5.8), bench/results/head_gemm.md. It is the same product bit for bit
+as `F.linear` in bf16; float32 differs from MKL's in the last bits (~1e-6 relative) and gives the same bits for a
+row alone or in a batch, so a K-token verification sees the numbers K single steps would. `pair.linear=auto` packs on CPU when torch has oneDNN; `torch` keeps torch's own product. Both the
 target-only baseline and speculative decoding run the same modules, so every method pays the same.
 
 **FR-Spec** (arXiv 2502.14856): the draft scores only the N most frequent tokens. `SubsetHead` keeps those N rows of
