@@ -13,7 +13,8 @@ the 500 test prompts, cost model under results/stop_heads/profile.json):
   (an upper bound on what a perfect guess of a_{k+1} would buy, current-token scores unchanged);
 - the current-token probe with two feature groups the head lacks: token classes of the drafted and previous token
   (leading space, newline, digit, alpha, punctuation, length) and the line position (tokens since the last newline,
-  position in the continuation, prompt length).
+  position in the continuation, prompt length);
+- the rule's renewal-reward form (`RateThreshold`): a long-run rate λ tuned on validation in place of the round's E/T.
 Writes stop_rule_probe.json / .md under --out. argparse, not Hydra: a fixed measurement on fixed trace folders, with
 only its output folder and profile file to choose.
 """
@@ -124,6 +125,29 @@ class RowScores(StopPolicy):
         return self.rule.stop(self.shift(self.cur[i]), None if self.nxt is None else self.shift(self.nxt[i]))
 
 
+class RateThreshold(RowScores):
+    """The renewal-reward form of the same rule: keep drafting while Π a_i · a_next ≥ λ · (marginal cost of one more
+    token), λ a long-run rate tuned on validation, instead of the round's own E/T. Optimal stopping for tokens per
+    unit time across rounds has this form; the question is whether it beats the per-round comparison in practice."""
+
+    def __init__(self, profile, lam: float, max_len: int = 16):
+        super().__init__(profile, 1.0, 0.0, max_len)
+        self.lam = lam
+
+    def should_stop(self, step):
+        r = self.rule
+        if step.position_in_round == 0:
+            r.reset()
+        a = self.shift(self.cur[step.position])
+        r.k += 1
+        r.survive *= a
+        extra = r.c + r.v[r.k + 1] - r.v[r.k]
+        return r.survive * a <= self.lam * extra
+
+
+LAMBDAS = [round(0.6 + 0.1 * i, 1) for i in range(25)]  # 0.6 .. 3.0 tokens per target step
+
+
 def per_cont(data, values):
     out, i = [], 0
     for c in data["conts"]:
@@ -136,6 +160,12 @@ def replay_speed(data, cur, nxt, profile, a, b) -> float:
     pol = RowScores(profile, a, b)
     cur_c, nxt_c = per_cont(data, cur), per_cont(data, nxt)
     rounds = [replay_one(pol, c, synthetic=(u, v)) for c, u, v in zip(data["conts"], cur_c, nxt_c)]
+    return summarize(rounds, profile, data["conts"])["cost_model_speedup"]
+
+
+def rate_speed(data, cur, profile, lam) -> float:
+    pol = RateThreshold(profile, lam)
+    rounds = [replay_one(pol, c, synthetic=(u, None)) for c, u in zip(data["conts"], per_cont(data, cur))]
     return summarize(rounds, profile, data["conts"])["cost_model_speedup"]
 
 
@@ -182,6 +212,9 @@ def main() -> None:
         sv = (p["val"][c], None if n is None else p["val"][n])
         st = (p["test"][c], None if n is None else p["test"][n])
         result["replay"][label] = tuned_speed(va, te, sv, st, profile)
+    lam = max(LAMBDAS, key=lambda x: rate_speed(va, p["val"]["cur"], profile, x))
+    result["replay"]["renewal-reward threshold (λ tuned on validation), a_next = a_k"] = {
+        "lambda": lam, "speedup": rate_speed(te, p["test"]["cur"], profile, lam)}
     lines = ["| probe (gradient-boosted, disco_plus features) | value |", "|---|---|"]
     lines += [f"| test AUROC, current token: {k} | {v:.3f} |" for k, v in result["auroc_current"].items()]
     lines += [f"| test AUROC, next token given the current accepted: {k} | {v:.3f} |"
