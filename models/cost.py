@@ -13,8 +13,10 @@ expected-value stop rule) reads this curve instead:
 - `target_ms[n-1]`: one target call on n new tokens with logits at all n (verification of n-1 drafted tokens);
 - `prefill_ms`: first calls on a fresh cache of L prompt tokens, for a few L (interpolated between them).
 Each is the median of `repeats` timed calls after warm-up, through `models.lm.LM` (the loop's own code path), at
-a context of `context` tokens. Measured once per (pair, draft, dtype, device, threads, torch, machine) and cached
-under `<cache>/profiles/`; every decode run.json and trace manifest carries the profile it used.
+a context of `context` tokens. Measured once per (pair, draft, dtype, linear, device, threads, torch, machine) and
+cached under `<cache>/profiles/`; every decode run.json and trace manifest carries the profile it used. A profile
+measured while other processes kept the CPU busy (`extra.other_load_cores`, read from /proc/stat) is kept but named
+in one warning line whenever it is used: its ratios are a loaded machine's.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import json
 import os
 import platform
 import statistics
+import time
 
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -111,8 +114,10 @@ class CostProfile:
 
     def summary(self) -> str:
         ns = [n for n in (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 41) if n <= len(self.target_ms)]
+        load = self.extra.get("other_load_cores")
         lines = [f"cost profile · {self.key.get('pair')} · {self.key.get('dtype')} on {self.key.get('device')} · "
-                 f"{self.key.get('threads')} threads · {self.key.get('machine')} · measured {self.date}",
+                 f"{self.key.get('threads')} threads · {self.key.get('machine')} · measured {self.date}"
+                 + ("" if load is None else f" · other processes' load {load:.1f} cores"),
                  f"draft step {self.draft_ms[0]:.2f} ms (first of a round {self.draft_cold_ms or 0:.2f}), "
                  f"target step {self.target_ms[0]:.2f} ms, "
                  f"c = {self.cost_ratio:.3f}",
@@ -150,6 +155,38 @@ def profile_key(pair, settings: DictConfig) -> dict:
             "torch": torch.__version__,
             "machine": machine(), "max_n": int(settings.max_n), "context": int(settings.context),
             "prefill_lengths": [int(x) for x in settings.prefill_lengths]}
+
+
+LOADED_CORES = 0.5  # other processes' CPU use during a measurement above which its ratios are not trusted silently
+
+
+def cpu_seconds() -> tuple[float, float] | None:
+    """(busy CPU seconds of the whole machine, of this process) so far; None where /proc/stat is not readable."""
+    import resource
+
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    except OSError:
+        return None
+    user, nice, system, idle, iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+    busy = (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    return busy, own.ru_utime + own.ru_stime
+
+
+def other_load(before, after, wall_s: float) -> float | None:
+    """Cores other processes kept busy between two `cpu_seconds` readings (a shared machine's load)."""
+    if before is None or after is None or wall_s <= 0:
+        return None
+    return max(0.0, ((after[0] - before[0]) - (after[1] - before[1])) / wall_s)
+
+
+def warn_if_loaded(prof: "CostProfile") -> None:
+    load = prof.extra.get("other_load_cores")
+    if load is not None and load > LOADED_CORES:
+        print(f"warning: other processes kept {load:.1f} cores busy while this cost profile was measured "
+              f"({prof.date}); its ratios may be distorted — remeasure on an idle machine with profile.refresh=true",
+              flush=True)
 
 
 @torch.inference_mode()
@@ -191,6 +228,7 @@ def measure(pair, settings: DictConfig, progress: bool = True) -> CostProfile:
         probes[("prefill_target", length)] = lambda L=length: target(ids[:L], target.new_cache(), last=1)
         probes[("prefill_draft", length)] = lambda L=length: draft(ids[:L], draft.new_cache(), last=1)
     times: dict = {key: [] for key in [*probes, ("draft_cold", 1)]}
+    cpu_before, wall_before = cpu_seconds(), time.perf_counter()
     # round-robin over every point, so a slow spell of a shared machine hits all of them alike and the ratios the
     # cost model uses (c, t(n)/t(1)) stay steady; the median of each point is kept
     for r in tqdm(range(warmup + repeats), desc="cost profile", unit="round", disable=not progress):
@@ -202,6 +240,7 @@ def measure(pair, settings: DictConfig, progress: bool = True) -> CostProfile:
         cold = cold_draft()
         if r >= warmup:
             times[("draft_cold", 1)].append(cold)
+    load = other_load(cpu_before, cpu_seconds(), time.perf_counter() - wall_before)
     ms = {key: 1000 * statistics.median(v) for key, v in times.items()}
     draft_ms = [ms[("draft", 1)], ms[("draft", 2)]]
     draft_cold = ms[("draft_cold", 1)]
@@ -211,7 +250,8 @@ def measure(pair, settings: DictConfig, progress: bool = True) -> CostProfile:
     return CostProfile(key=profile_key(pair, settings), draft_ms=draft_ms, target_ms=target_ms,
                        prefill_lengths=lengths, prefill_target_ms=pre_t, prefill_draft_ms=pre_d,
                        context=int(settings.context), repeats=repeats, draft_cold_ms=draft_cold,
-                       date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+                       date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                       extra={} if load is None else {"other_load_cores": round(load, 2)})
 
 
 def cache_path(pair, key: dict) -> Path:
@@ -233,11 +273,14 @@ def get_profile(pair, settings: DictConfig | dict | None = None) -> CostProfile:
     path = cache_path(pair, key)
     if path.is_file() and not settings.get("refresh"):
         try:
-            return CostProfile.from_dict(json.loads(path.read_text()))
+            prof = CostProfile.from_dict(json.loads(path.read_text()))
+            warn_if_loaded(prof)
+            return prof
         except (ValueError, UserError, TypeError):
             pass  # an unreadable or old cache entry is remeasured, never trusted
     prof = measure(pair, settings)
     write_text_atomic(path, json.dumps(prof.to_dict(), indent=1))
+    warn_if_loaded(prof)
     return prof
 
 

@@ -48,6 +48,28 @@ def test_profile_is_measured_once_then_cached(tiny_pair, tmp_path, monkeypatch):
         get_profile(tiny_pair, {**SMALL, "refresh": True})
 
 
+def test_a_profile_measured_under_load_says_so(tiny_pair, tmp_path, monkeypatch, capsys):
+    """Other processes' CPU time during the measurement (machine busy time minus ours, /proc/stat) is stored with the
+    profile; above half a core every use of that profile prints one warning line naming the fix."""
+    import models.cost as dp
+
+    assert dp.other_load((100.0, 10.0), (106.0, 12.0), 4.0) == pytest.approx(1.0)  # 6 s busy, 2 s ours, in 4 s
+    assert dp.other_load(None, (1.0, 1.0), 1.0) is None
+    monkeypatch.setenv("SPECSTOP_CACHE", str(tmp_path))
+    readings = iter([(0.0, 0.0), (1e6, 0.0)])  # before / after: the whole machine busy, none of it ours
+    monkeypatch.setattr(dp, "cpu_seconds", lambda: next(readings))
+    prof = get_profile(tiny_pair, SMALL)
+    assert prof.extra["other_load_cores"] > dp.LOADED_CORES
+    assert "profile.refresh=true" in capsys.readouterr().out
+    get_profile(tiny_pair, SMALL)  # read back from the cache: still named
+    out = capsys.readouterr().out
+    assert out.count("warning: other processes kept") == 1
+    quiet = flat_profile(0.2)
+    quiet.extra["other_load_cores"] = 0.1
+    dp.warn_if_loaded(quiet)
+    assert capsys.readouterr().out == ""
+
+
 def test_profile_curve_interpolates_and_extends():
     prof = flat_profile(0.2, target_ms=[10.0, 12.0, 14.0])
     assert prof.target(2) == 12.0 and prof.target(2.5) == 13.0
