@@ -218,7 +218,7 @@ class Plan:
     config_hash: str
     n_shards: int  # groups of `prompts_per_shard` prompts
     dtype: str
-    linear: str = "torch"
+    linear: str
 
 
 def _other_config(folder: Path, manifest: dict, chash: str) -> UserError:
@@ -322,7 +322,7 @@ def _write_shards(pair, trace: DictConfig, folder: Path, s: Settings, manifest: 
 
 def _check_resumable(plan: Plan, manifest: dict, pair) -> None:
     """A manifest found in place (a resume, or another shard job's) must describe exactly this job's traces."""
-    folder, dtype = plan.folder, plan.dtype
+    folder = plan.folder
     if manifest.get("config_hash") != plan.config_hash:
         raise _other_config(folder, manifest, plan.config_hash)
     if manifest.get("tokenizer_hash") != pair.tokenizer_hash:
@@ -330,17 +330,15 @@ def _check_resumable(plan: Plan, manifest: dict, pair) -> None:
             f"traces at {folder} were made with tokenizer {manifest.get('tokenizer_hash')} but pair {pair.name} now has "
             f"{pair.tokenizer_hash}; rerun with overwrite=true to regenerate them"
         )
-    if manifest.get("dtype", dtype) != dtype:  # dtype=auto can resolve differently on another machine
-        raise UserError(
-            f"traces at {folder} were started in {manifest['dtype']} but this machine resolves pair.dtype to {dtype}; "
-            f"pass pair.dtype={manifest['dtype']} to resume them, or overwrite=true to regenerate"
-        )
-    made_with = manifest.get("linear", "torch")  # folders from before pair.linear used torch's product
-    if made_with != plan.linear:  # float32 rounds differently in the two products (models.lm_head)
-        raise UserError(
-            f"traces at {folder} were started with pair.linear={made_with} but this run resolves it to {plan.linear}; "
-            f"pass pair.linear={made_with} to resume them, or overwrite=true to regenerate"
-        )
+    # settings `auto` resolves per machine (dtype by the CPU's bf16 flags, linear by oneDNN; float32 rounds differently
+    # in the two products): a folder is continued only as it was started. Missing: folders from before the setting.
+    for name, now, before in (("dtype", plan.dtype, plan.dtype), ("linear", plan.linear, "torch")):
+        made = manifest.get(name, before)
+        if made != now:
+            raise UserError(
+                f"traces at {folder} were started with pair.{name}={made} but this run resolves it to {now}; "
+                f"pass pair.{name}={made} to resume them, or overwrite=true to regenerate"
+            )
     if manifest.get("num_shards_planned") != plan.n_shards:
         raise UserError(f"{folder} plans {manifest.get('num_shards_planned')} shards but this run {plan.n_shards}; "
                         "rerun with overwrite=true")
