@@ -135,14 +135,12 @@ class RateThreshold(RowScores):
         self.lam = lam
 
     def should_stop(self, step):
-        r = self.rule
         if step.position_in_round == 0:
-            r.reset()
+            self.survive = 1.0
         a = self.shift(self.cur[step.position])
-        r.k += 1
-        r.survive *= a
-        extra = r.c + r.v[r.k + 1] - r.v[r.k]
-        return r.survive * a <= self.lam * extra
+        self.survive *= a
+        k, c, v = step.position_in_round + 1, self.rule.c, self.rule.v  # the rule's measured cost curve
+        return self.survive * a <= self.lam * (c + v[k + 1] - v[k])
 
 
 LAMBDAS = [round(0.6 + 0.1 * i, 1) for i in range(25)]  # 0.6 .. 3.0 tokens per target step

@@ -26,6 +26,7 @@ from models.cost import get_profile, machine
 from utils.cli import UserError
 from utils.files import write_text_atomic
 
+
 def main(cfg: DictConfig) -> dict:
     check_settings(cfg)
     methods = methods_from_cfg(cfg)

@@ -63,7 +63,7 @@ class PackedLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if torch.is_grad_enabled() and (w.requires_grad or x.requires_grad) or w.dtype != x.dtype:
+        if (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)) or w.dtype != x.dtype:
             return torch.nn.functional.linear(x, w, self.bias)
         version = None if w.is_inference() else w._version  # inference tensors keep no version counter
         if self._packed is None or self._version != version:
@@ -84,9 +84,10 @@ def pack_linears(model: torch.nn.Module, min_elements: int = MIN_PACKED) -> int:
     n = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            w = getattr(child, "weight", None)
-            if type(child) is torch.nn.Linear and w.device.type == "cpu" and w.numel() >= min_elements \
-                    and w.dtype in (torch.float32, torch.bfloat16):
+            if type(child) is not torch.nn.Linear:
+                continue
+            w = child.weight
+            if w.device.type == "cpu" and w.numel() >= min_elements and w.dtype in (torch.float32, torch.bfloat16):
                 setattr(module, name, PackedLinear(child.weight, child.bias))
                 n += 1
     return n

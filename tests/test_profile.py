@@ -15,6 +15,7 @@ from decode.loop import autoregressive, speculative
 from decode.metrics import cost_model_speedup
 from decode.policies import build_policy
 from models.cost import CostProfile, get_profile, modeled_ms
+from models.lm_head import packed_available
 from models.features import draft_probs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -128,8 +129,7 @@ def test_profile_cli_prints_the_curve(cli, tmp_path):
 # -------------------------------------------------------------------------------------- linear products, LM head
 
 
-needs_onednn = pytest.mark.skipif(not __import__("models.lm_head").lm_head.packed_available(),
-                                  reason="this torch build has no oneDNN")
+needs_onednn = pytest.mark.skipif(not packed_available(), reason="this torch build has no oneDNN")
 
 
 @needs_onednn
