@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from models.features import draft_probs, entropy, top2_margin, topk_probs, tvd
+from models.features import draft_probs, entropy, greedy_ids, top2_margin, topk_probs, tvd
 
 
 
@@ -121,7 +121,7 @@ def rollout(pair, items: list[Item], trace_cfg, step_draft: bool) -> Rollout:
         if temperature > 0:
             t_tok = sample_inverse_cdf(draft_probs(t_logits, temperature, top_p), u[:, 1])
         else:
-            t_tok = t_logits.argmax(-1)
+            t_tok = greedy_ids(t_logits)
         if step_draft:
             d_logits = _head(pair.draft, d_hidden, vocab)
             d_steps.append(d_logits)
@@ -129,7 +129,7 @@ def rollout(pair, items: list[Item], trace_cfg, step_draft: bool) -> Rollout:
             if temperature > 0:
                 d_tok = sample_inverse_cdf(draft_probs(d_logits, temperature, top_p), u[:, 2])
             else:
-                d_tok = d_logits.argmax(-1)
+                d_tok = greedy_ids(d_logits)
         t_list = t_tok.tolist()  # one device sync per step, not one per row
         d_list = d_tok.tolist() if step_draft else None
         chosen = []
@@ -220,7 +220,7 @@ def trace_batch(pair, items: list[Item], trace_cfg) -> list[dict[str, np.ndarray
             u = torch.rand(n, generator=prompt_generator(seed, it.prompt_id, "draft_token"))
             x = sample_inverse_cdf(draft_probs(q_logits, temperature, top_p), u).to(q_logits.device)
         else:
-            x = q_logits.argmax(-1)
+            x = greedy_ids(q_logits)
         stats = position_stats(q_logits, targets[i], x, temperature, top_p, k)
         cols = {name: t.float().cpu().numpy() if t.is_floating_point() else t.cpu().numpy() for name, t in stats.items()}
         cols["position"] = np.arange(n, dtype=np.int32)

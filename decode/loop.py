@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from decode.verify import greedy_verify, sample_verify, sprinter_verify
-from models.features import DraftStep, VerifyStats, draft_probs, entropy, top2_margin, tvd
+from models.features import DraftStep, VerifyStats, draft_probs, entropy, greedy_ids, logit_stats, top2_margin, tvd
 from models.lm import LM, Clock
 
 
@@ -72,7 +72,7 @@ def autoregressive(pair, prompt_ids: list[int], max_new_tokens: int, temperature
         if temperature and temperature > 0:
             tok = int(torch.multinomial(draft_probs(logits[0], temperature, top_p), 1, generator=generator))
         else:
-            tok = int(logits[0].argmax())
+            tok = int(greedy_ids(logits[0]))
         out.append(tok)
         pending = [tok]
         if tok in eos:
@@ -83,13 +83,18 @@ def autoregressive(pair, prompt_ids: list[int], max_new_tokens: int, temperature
     return res
 
 
-def _verify_stats(p: torch.Tensor, qs: list, k: int, n: int) -> VerifyStats:
+def _verify_stats(p: torch.Tensor | None, logits: torch.Tensor, qs: list, support, k: int, n: int) -> VerifyStats:
     """models.features.VerifyStats of one verification from p (as traces define it) at positions 0..n: its entropy
     and margin at the last verified position n, and the mean TVD(p, q) over the drafted positions up to the first
-    rejection (0..min(n, k − 1))."""
+    rejection (0..min(n, k − 1)). Greedy verification builds no p: then the same numbers come from the logits and
+    q on the draft's support (`qs`, models.features.logit_stats), a fraction of the work."""
     m = min(n + 1, k)
-    mean_tvd = float(tvd(p[:m], torch.stack(qs[:m])).mean()) if m else 0.0
-    return VerifyStats(float(entropy(p[n])), float(top2_margin(p[n])), k, n, mean_tvd)
+    if p is None:
+        ent, margin, tv = logit_stats(logits[: n + 1], support, torch.stack(qs[:m]) if m else None)
+    else:
+        ent, margin = entropy(p[n]), top2_margin(p[n])
+        tv = tvd(p[:m], torch.stack(qs[:m])) if m else p[:0, 0]
+    return VerifyStats(float(ent), float(margin), k, n, float(tv.mean()) if m else 0.0)
 
 
 @torch.inference_mode()
@@ -129,6 +134,7 @@ def speculative(pair, prompt_ids: list[int], policy, max_new_tokens: int, temper
         k_cap = min(policy.max_len, max_new_tokens - len(out) - 1)
         drafted: list[int] = []
         qs: list[torch.Tensor] = []
+        qs_support: list[torch.Tensor] = []  # greedy + verify stats: q on the draft's support, for logit_stats
         verifier_stop = False
         inp = d_pending
         base = len(out)
@@ -138,7 +144,7 @@ def speculative(pair, prompt_ids: list[int], policy, max_new_tokens: int, temper
             z = logits[0]
             if greedy:
                 q = draft_probs(z, 0.0) if want_q else None
-                tok = int(z.argmax())
+                tok = int(greedy_ids(z))
             else:
                 q = draft_probs(z, temperature, top_p)
                 tok = int(torch.multinomial(q, 1, generator=generator))
@@ -151,6 +157,8 @@ def speculative(pair, prompt_ids: list[int], policy, max_new_tokens: int, temper
             step = DraftStep(probs=q, token=tok, hidden=hidden[0] if want_h else None, position_in_round=j,
                              position=base + j, context=ctx, verify=vstats, support=draft.support)
             stop = policy.should_stop(step)
+            if want_vs and greedy and not approx:
+                qs_support.append(step.on_support())
             policy_s += now() - te
             if stop:
                 verifier_stop = True
@@ -165,7 +173,7 @@ def speculative(pair, prompt_ids: list[int], policy, max_new_tokens: int, temper
         res.target_calls += 1
         if greedy and not approx:
             p = None  # greedy verification needs no distribution
-            n, nxt = greedy_verify(logits.argmax(-1), torch.tensor(drafted, dtype=torch.long))
+            n, nxt = greedy_verify(greedy_ids(logits), torch.tensor(drafted, dtype=torch.long))
         else:
             p = draft_probs(logits, temperature, top_p)
             q_stack = torch.stack(qs) if k else p[:0]
@@ -181,8 +189,7 @@ def speculative(pair, prompt_ids: list[int], policy, max_new_tokens: int, temper
         te = now()
         target_s += te - ts
         if want_vs:  # the policy's work, timed as policy time
-            p_kept = p[: n + 1] if p is not None else draft_probs(logits[: n + 1], temperature, top_p)
-            vstats = _verify_stats(p_kept, qs, k, n)
+            vstats = _verify_stats(p, logits, qs if p is not None else qs_support, draft.support, k, n)
             policy_s += now() - te
 
         # exact rollback: keep the pending token + the n kept drafted tokens in each cache

@@ -32,6 +32,13 @@ def draft_probs(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1
     return probs
 
 
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """argmax over the last axis, the first maximum as `argmax` returns it: via `max(-1)`, because torch 2.13's CPU
+    argmax of bfloat16 runs scalar code (~180 µs over a 49k vocabulary on one core, every draft step and every
+    verified position) while max(-1) is vectorised (~45 µs); float32 costs the same either way."""
+    return logits.max(-1).indices
+
+
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Keep the smallest set of tokens whose mass reaches top_p (always the top one), renormalised."""
     sorted_p, idx = probs.sort(dim=-1, descending=True)
@@ -56,6 +63,30 @@ def top2_margin(probs: torch.Tensor) -> torch.Tensor:
 def tvd(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """Total variation distance ½Σ|p − q| along the last axis (1 − TVD is the exact-sampling acceptance rate)."""
     return 0.5 * (p - q).abs().sum(-1)
+
+
+def logit_stats(z: torch.Tensor, support: torch.Tensor | None = None, q_support: torch.Tensor | None = None):
+    """What a verification tells a stop head, from the target's logits z (r, V) of greedy verification: (H_p and the
+    top-2 margin of p = softmax(z) at the last row, TVD(p, q) for the first m rows of q given on its support) — the
+    numbers of `entropy`, `top2_margin` and `tvd` (to float rounding) with a fraction of their work.
+
+    Why: a 49k-wide entropy and TVD against stacked 49k-wide q's cost ~0.3 ms per round on one CPU core, as much as
+    the head itself. Here one fused softmax per row is the only full-width pass: H = log Z − E_p[z], with
+    log Z = max z − log max p read off the top-2 the margin needs anyway; and q is exactly 0 off its support, so
+    TVD = ½(Σ_S |p − q| + 1 − Σ_S p) reads only the support's columns (`support=None`: q covers the vocabulary).
+    """
+    z = z.float()
+    p = torch.softmax(z, dim=-1)
+    last = z[-1].clamp_min(torch.finfo(z.dtype).min)  # a masked (−inf) logit has p = 0 and adds nothing to E_p[z]
+    top = topk_probs(p[-1], 2)
+    ent = last.max() - torch.log(top[0]) - torch.dot(p[-1], last)
+    margin = top[0] - top[1]
+    if q_support is None or len(q_support) == 0:
+        return ent, margin, z.new_zeros(0)
+    m = len(q_support)
+    ps = p[:m] if support is None else p[:m].index_select(-1, support)
+    tv = 0.5 * ((ps - q_support).abs().sum(-1) + 1.0 - ps.sum(-1))
+    return ent, margin, tv
 
 
 SMALL_TOPK = 16384  # up to this width (an FR-Spec draft's support) one plain top-k is fewer ops than two stages
@@ -195,6 +226,10 @@ class DraftStep:
         if self._on_support is None:
             self._on_support = self.probs.index_select(-1, self.support)
         return self._on_support
+
+    def on_support(self) -> torch.Tensor:
+        """q on `support` (all of q without one): what `logit_stats` compares the target's p with."""
+        return self._mass()
 
     def topk(self, k: int = DEFAULT_TOPK) -> torch.Tensor:
         if self._topk is None or self._topk.shape[-1] != k:

@@ -189,3 +189,37 @@ def test_disco_plus_trains_calibrates_and_decodes_losslessly(tmp_path, tiny_pair
             assert (kd <= n + 1) == (kr <= n + 1) and (kd == kr or kd > n + 1)
             exact += kd <= n + 1
     assert exact > 0
+
+
+def test_greedy_ids_is_argmax_with_ties():
+    from models.features import greedy_ids
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        z = (torch.randn(5, 4000, generator=g) * 2).round().to(dtype)  # integer logits: many tied maxima
+        z[1, :100] = float("-inf")
+        z[2, 7] = z[2, 3000] = float("inf")
+        assert torch.equal(greedy_ids(z), z.argmax(-1))
+        assert int(greedy_ids(z[0])) == int(z[0].argmax())
+
+
+@pytest.mark.parametrize("subset", [True, False])
+def test_logit_stats_match_the_definitions(subset):
+    """What the loop reads from greedy verification logits equals entropy, top2_margin and tvd of p = softmax(z) with
+    q given on its support (a reduced-vocabulary draft is 0 elsewhere) — the trace columns' definitions."""
+    from models.features import entropy, logit_stats, top2_margin, tvd
+
+    g = torch.Generator().manual_seed(1)
+    vocab, rows = 3000, 4
+    z = (torch.randn(rows, vocab, generator=g) * 3).bfloat16()
+    support = torch.randperm(vocab, generator=g)[:500].sort().values if subset else None
+    q = torch.zeros(rows - 1, vocab)
+    cols = support if subset else torch.arange(vocab)
+    q[:, cols] = torch.softmax(torch.randn(rows - 1, len(cols), generator=g) * 3, -1)
+    ent, margin, tv = logit_stats(z, support, q[:, cols])
+    p = torch.softmax(z.float(), -1)
+    assert float(ent) == pytest.approx(float(entropy(p[-1])), rel=1e-4, abs=1e-5)
+    assert float(margin) == pytest.approx(float(top2_margin(p[-1])), abs=1e-6)
+    assert torch.allclose(tv, tvd(p[: rows - 1], q), atol=1e-5)
+    ent0, margin0, tv0 = logit_stats(z[:1], support, None)  # a round that kept nothing drafted: no TVD rows
+    assert tv0.numel() == 0 and float(margin0) == pytest.approx(float(top2_margin(p[0])), abs=1e-6)
