@@ -255,7 +255,9 @@ class HeadBundle:
         """disco_plus as bare ops: normalisation folded into the first layer's dense columns, each token column's
         embedding table pre-multiplied by its slice of that layer (one row read per id), calibration in the output."""
         lin1, lin2 = net.ffn[0], net.ffn[-1]
-        dense = torch.tensor(net.dense_cols, device=mean.device)
+        # the token columns come last in FeatureSpec order, so the dense ones are usually a prefix: a view, no gather
+        prefix = net.dense_cols == list(range(len(net.dense_cols)))
+        dense = slice(0, len(net.dense_cols)) if prefix else torch.tensor(net.dense_cols, device=mean.device)
         nd, emb = len(net.dense_cols), (net.embs[0].embedding_dim if len(net.embs) else 0)
         wd = (lin1.weight[:, :nd] / std[dense]).detach().clone()
         bd = (lin1.bias - wd @ mean[dense]).detach().clone()
