@@ -181,3 +181,40 @@ def _burn(seconds: float) -> None:
     end = time.time() + seconds
     while time.time() < end:
         pass
+
+
+def test_attention_upcast_runs_single_bf16_query_rows_in_float32(tiny_cfg, monkeypatch):
+    """pair.attention=upcast: a one-row query (a decoding step) goes through transformers' sdpa in float32, a
+    multi-row one (prefill, verification) in bf16 as before; the logits stay those of the stock kernel to bf16
+    rounding, and target-only greedy decoding gives the same tokens."""
+    import transformers.integrations.sdpa_attention as sdpa_mod
+
+    from decode.loop import autoregressive
+
+    seen = []
+    real = sdpa_mod.sdpa_attention_forward
+
+    def spy(module, query, *args, **kwargs):
+        seen.append((query.shape[-2], query.dtype))
+        return real(module, query, *args, **kwargs)
+
+    monkeypatch.setattr(sdpa_mod, "sdpa_attention_forward", spy)
+    pairs = {}
+    for name in ("sdpa", "upcast"):
+        cfg = copy.deepcopy(tiny_cfg)
+        cfg.dtype, cfg.attention = "bfloat16", name
+        pairs[name] = load_pair(cfg)
+    assert pairs["upcast"].attention == "upcast" and pairs["sdpa"].attention == "sdpa"
+    prompt = list(range(3, 20))
+    seen.clear()
+    up = autoregressive(pairs["upcast"], prompt, 6)
+    assert {dt for n, dt in seen if n == 1} == {torch.float32}
+    assert {dt for n, dt in seen if n > 1} == {torch.bfloat16}
+    assert up.tokens == autoregressive(pairs["sdpa"], prompt, 6).tokens
+
+
+def test_unknown_attention_is_one_clear_error(tiny_cfg):
+    cfg = copy.deepcopy(tiny_cfg)
+    cfg.attention = "flash"
+    with pytest.raises(UserError, match="pair.attention must be one of sdpa, upcast"):
+        load_pair(cfg)
