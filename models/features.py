@@ -71,9 +71,10 @@ def logit_stats(z: torch.Tensor, support: torch.Tensor | None = None, q_support:
     numbers of `entropy`, `top2_margin` and `tvd` (to float rounding) with a fraction of their work.
 
     Why: a 49k-wide entropy and TVD against stacked 49k-wide q's cost ~0.3 ms per round on one CPU core, as much as
-    the head itself. Here one fused softmax per row is the only full-width pass: H = log Z − E_p[z], with
-    log Z = max z − log max p read off the top-2 the margin needs anyway; and q is exactly 0 off its support, so
-    TVD = ½(Σ_S |p − q| + 1 − Σ_S p) reads only the support's columns (`support=None`: q covers the vocabulary).
+    the head itself. Here the full-width work is one fused softmax per row plus, on the last row, its top-2 and one
+    dot product: H = log Z − E_p[z] with log Z = max z − log max p (max p is the top-2's first value); and q is
+    exactly 0 off its support, so TVD = ½(Σ_S |p − q| + 1 − Σ_S p) reads only the support's columns
+    (`support=None`: q covers the vocabulary).
     """
     z = z.float()
     p = torch.softmax(z, dim=-1)
