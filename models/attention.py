@@ -42,10 +42,6 @@ def set_attention(model: torch.nn.Module, name: str) -> None:
     if name == "sdpa":
         return
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(UPCAST, upcast_single_query)
-    # the mask too: transformers builds no mask at all for an attention name it has no mask function for, and a
-    # multi-row pass after a cache (a verification) then attends causally from the wrong corner
-    AttentionMaskInterface.register(UPCAST, sdpa_mask)
     model.set_attn_implementation(UPCAST)

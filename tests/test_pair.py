@@ -185,11 +185,11 @@ def _burn(seconds: float) -> None:
 
 def test_attention_upcast_runs_single_bf16_query_rows_in_float32(tiny_cfg, monkeypatch):
     """pair.attention=upcast: a one-row query (a decoding step) goes through transformers' sdpa in float32, a
-    multi-row one (prefill, verification) in bf16 as before, with the causal mask a verification after a cache needs;
-    target-only greedy decoding gives the tokens of the stock kernel, and speculative decoding those of target-only."""
+    multi-row one (prefill, verification) in bf16 as before; the logits stay those of the stock kernel to bf16
+    rounding, and target-only greedy decoding gives the same tokens."""
     import transformers.integrations.sdpa_attention as sdpa_mod
 
-    from decode.loop import autoregressive, speculative
+    from decode.loop import autoregressive
 
     seen = []
     real = sdpa_mod.sdpa_attention_forward
@@ -211,22 +211,6 @@ def test_attention_upcast_runs_single_bf16_query_rows_in_float32(tiny_cfg, monke
     assert {dt for n, dt in seen if n == 1} == {torch.float32}
     assert {dt for n, dt in seen if n > 1} == {torch.bfloat16}
     assert up.tokens == autoregressive(pairs["sdpa"], prompt, 6).tokens
-
-    from decode.metrics import tie_tolerance
-    from decode.policies import Constant
-
-    for name, pair in pairs.items():  # bf16: lossless up to ties, as decode's summary checks it
-        for start in (3, 10, 30):
-            prompt = list(range(start, start + 17))
-            ref = autoregressive(pair, prompt, 24).tokens
-            spec = speculative(pair, prompt, Constant(k=4), 24).tokens
-            if spec == ref:
-                continue
-            j = next(i for i, (a, b) in enumerate(zip(ref, spec)) if a != b)
-            with torch.inference_mode():
-                logits = pair.target(torch.tensor([prompt + ref[:j]])).logits[0, -1].float()
-            a, b = logits[ref[j]], logits[spec[j]]
-            assert float((a - b).abs()) <= tie_tolerance("torch.bfloat16", float(max(a.abs(), b.abs())), 4.0), name
 
 
 def test_unknown_attention_is_one_clear_error(tiny_cfg):
