@@ -74,8 +74,6 @@ def hash_payload(cfg: DictConfig) -> dict:
     pair = OmegaConf.to_container(cfg.pair, resolve=True)
     for key in ("device", "cache_dir", "linear"):  # linear: the manifest records what it resolved to (data_gen.run)
         pair.pop(key, None)
-    if pair.get("attention", "sdpa") == "sdpa":  # hashed only when set: it changes numerics, and old folders keep theirs
-        pair.pop("attention", None)
     return {
         "format": FORMAT_VERSION,
         "pair": pair,

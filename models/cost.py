@@ -150,15 +150,11 @@ def _interp(x, xs, ys):
 def profile_key(pair, settings: DictConfig) -> dict:
     """What the profile depends on: the same key reuses the cached measurement."""
     draft = OmegaConf.to_container(pair.cfg.draft, resolve=True) if isinstance(pair.cfg, DictConfig) else {}
-    key = {"pair": pair.pair_id, "draft": draft, "dtype": str(pair.dtype).replace("torch.", ""),
-           "linear": getattr(pair, "linear", "torch"), "device": str(pair.device), "threads": torch.get_num_threads(),
-           "torch": torch.__version__,
-           "machine": machine(), "max_n": int(settings.max_n), "context": int(settings.context),
-           "prefill_lengths": [int(x) for x in settings.prefill_lengths]}
-    attention = getattr(pair, "attention", "sdpa")
-    if attention != "sdpa":  # only when set, so profiles measured before the option keep their key
-        key["attention"] = attention
-    return key
+    return {"pair": pair.pair_id, "draft": draft, "dtype": str(pair.dtype).replace("torch.", ""),
+            "linear": getattr(pair, "linear", "torch"), "device": str(pair.device), "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "machine": machine(), "max_n": int(settings.max_n), "context": int(settings.context),
+            "prefill_lengths": [int(x) for x in settings.prefill_lengths]}
 
 
 LOADED_CORES = 0.5  # other processes' CPU use during a measurement above which its ratios are not trusted silently

@@ -29,7 +29,6 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from models.attention import set_attention
 from models.lm_head import SubsetHead, pack_linears, read_frequencies, resolve_linear, subset_ids
 from utils.cli import UserError, check_name
 from utils.files import sha256_file
@@ -62,7 +61,6 @@ class Pair:
     vocab_size: int
     cfg: DictConfig
     linear: str = "torch"  # the linear product, what pair.linear resolved to (models.lm_head)
-    attention: str = "sdpa"  # pair.attention (models.attention)
 
     @property
     def pair_id(self) -> str:
@@ -395,9 +393,6 @@ def load_pair(cfg: DictConfig | str) -> Pair:
     if linear == "packed":
         pack_linears(target)
         pack_linears(draft)
-    attention = str(cfg.get("attention", "sdpa"))
-    for model in (target, draft):
-        set_attention(model, attention)
     return Pair(
         name=str(cfg.name),
         draft=draft,
@@ -410,5 +405,4 @@ def load_pair(cfg: DictConfig | str) -> Pair:
         vocab_size=vocab,
         cfg=cfg,
         linear=linear,
-        attention=attention,
     )
