@@ -8,9 +8,9 @@
 2. Attention at SmolLM2's shapes (9 query heads, 3 key/value heads, head dim 64, `scaled_dot_product_attention`
    as transformers calls it) for q = 1..9 query rows over 64..512 cached positions, in bfloat16, float32, and
    bfloat16 computed through float32. A single query row in bfloat16 (every target-only step and every draft step)
-   is the slow case in isolation. Measured inside target-only decoding of MBPP prompts (contexts of ~100-200
-   tokens, the two implementations alternated on one loaded pair) a float32 single-row path made a step 32.0 → 31.8
-   ms, so the decoder keeps transformers' sdpa (an option built on it was removed again for that reason).
+   is the slow case in isolation. Inside target-only decoding of MBPP prompts a float32 single-row path (tried as
+   a `pair.attention` option, then removed) did not change a target step measurably (a one-off A/B, session 11's
+   note on issue 15), so the decoder keeps transformers' sdpa.
 3. Where a draft step of the default pair goes (`--pair`, auto dtype, the loop's own `models.lm.LM` call after a
    200-token prompt): wall time per step and torch.profiler's self CPU time per op kind, so what is matrix products,
    what is attention and what is everything else (transformers' module code and the small ops it issues).
