@@ -358,14 +358,16 @@ class Learned(StopPolicy):
         self.needs_probs = spec.kind in ("disco", "disco_plus")
         self.needs_context = plus and bool({"copy", "token"} & set(spec.groups))
         self.needs_verify_stats = plus and "verify" in spec.groups
-        self.plus = PlusFeatures(spec, device=next(bundle.head.parameters()).device) if plus else None
+        # DISCO rows are disco_plus rows without groups: one builder fills [top-k, H_q, position in round] for both
+        weight = next(bundle.head.parameters(), None)
+        self.plus = (PlusFeatures(spec, device=None if weight is None else weight.device)
+                     if spec.kind in ("disco", "disco_plus") else None)
         self.k = int(spec.k)
         self._survive = 1.0
         if name:
             self.name = name
         # the head is a few small matrices on the draft's device, run as bare tensor ops (HeadBundle.scorer)
         self.score = bundle.scorer()
-        self._buf = None  # DISCO features, reused across drafted tokens
 
     @classmethod
     def resolve_rule(cls, bundle, threshold=None, rule: str = "auto") -> tuple[str, float | None]:
@@ -399,17 +401,7 @@ class Learned(StopPolicy):
                 raise UserError(f"head {self.bundle.path} reads the last verification's statistics, which this caller "
                                 "does not pass (DraftStep.verify); run it through python -m decode or eval.replay")
             return self.score(self.plus.row(step))
-        if self.bundle.spec.kind != "disco":
-            return self.score(step.hidden.float())
-        # the layout of models.features.disco_vector ([top-k, H_q, position in round]), filled into one reused
-        # buffer: building fresh small tensors per drafted token cost a third of the policy's time
-        if self._buf is None:
-            self._buf = torch.empty(self.k + 2, device=step.probs.device)
-        buf = self._buf
-        buf[: self.k].copy_(step.topk(self.k))
-        buf[self.k] = step.entropy
-        buf[self.k + 1] = step.position_in_round
-        return self.score(buf)
+        return self.score(step.hidden.float())
 
     def should_stop(self, step):
         if step.position_in_round == 0:

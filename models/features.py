@@ -316,7 +316,8 @@ class ContextIndex:
 
 
 class PlusFeatures:
-    """Builds the disco_plus row at decode time from the loop's DraftSteps (one per prompt; `reset` between).
+    """Builds the disco_plus row (a DISCO row is one without groups) at decode time from the loop's DraftSteps (one
+    per prompt; `reset` between).
 
     Keeps a ContextIndex of the committed context, adds the round's drafted tokens as it goes and takes them back at
     the next round, so each drafted token costs a few set/dict look-ups. Layout: `FeatureSpec.names`.
