@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import string
 import sys
 from pathlib import Path
 
@@ -38,7 +37,8 @@ from sklearn.metrics import roc_auc_score  # noqa: E402
 from decode.policies import ExpectedValueRule, StopPolicy, platt  # noqa: E402
 from eval.replay import CONTINUATION_COLUMNS, continuations, load_greedy_traces, replay_one, summarize  # noqa: E402
 from models.cost import CostProfile  # noqa: E402
-from models.features import FeatureSpec, continuation_starts, features_from_columns, needed_columns  # noqa: E402
+from models.features import (FeatureSpec, continuation_starts, features_from_columns, needed_columns,  # noqa: E402
+                             token_classes)
 from utils.cli import UserError, fail  # noqa: E402
 from utils.files import write_result  # noqa: E402
 
@@ -53,17 +53,6 @@ def shift_grid() -> list[tuple[float, float]]:
 
     grid = OmegaConf.load(STUDY).tune.grid.expected_value
     return [(float(a), float(b)) for a in grid.a for b in grid.b]
-
-
-def token_classes(tokenizer) -> np.ndarray:
-    """(V, 6) per token id: leading space, newline, digits, letters, punctuation only, length (byte-level BPE marks)."""
-    out = np.zeros((len(tokenizer), 6), np.float32)
-    for i, s in enumerate(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))):
-        s = s or ""
-        core = s.replace("Ġ", "").replace("Ċ", "").replace("ĉ", "")
-        punct = bool(core) and all(ch in string.punctuation for ch in core)
-        out[i] = [s.startswith("Ġ"), "Ċ" in s, core.isdigit(), core.isalpha(), punct, len(core)]
-    return out
 
 
 def line_features(cols: dict, newline: np.ndarray) -> np.ndarray:

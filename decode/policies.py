@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from models.features import DraftStep, PlusFeatures
+from models.features import CONTEXT_GROUPS, DraftStep, PlusFeatures
 from utils.cli import UserError
 
 
@@ -356,7 +356,7 @@ class Learned(StopPolicy):
         plus = spec.kind == "disco_plus"
         self.needs_hidden = spec.kind == "hidden" or "hidden" in spec.groups
         self.needs_probs = spec.kind in ("disco", "disco_plus")
-        self.needs_context = plus and bool({"copy", "token"} & set(spec.groups))
+        self.needs_context = plus and bool(CONTEXT_GROUPS & set(spec.groups))
         self.needs_verify_stats = plus and "verify" in spec.groups
         # DISCO rows are disco_plus rows without groups: one builder fills [top-k, H_q, position in round] for both
         weight = next(bundle.head.parameters(), None)
@@ -394,7 +394,7 @@ class Learned(StopPolicy):
     def _prob(self, step: DraftStep) -> float:
         if self.plus is not None:
             if self.needs_context and step.context is None:
-                raise UserError(f"head {self.bundle.path} reads copy/token features that need the decoder's context, "
+                raise UserError(f"head {self.bundle.path} reads copy/token/text features that need the decoder's context, "
                                 "which this caller does not pass (DraftStep.context); run it through python -m decode "
                                 "or eval.replay")
             if self.needs_verify_stats and step.verify is None and step.position_in_round == 0 and step.position > 0:

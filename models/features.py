@@ -8,12 +8,14 @@ For a drafted position with draft logits z (and last hidden state h):
 - disco_plus: the DISCO inputs plus what a decoder knows for free (issue 16): `verify` (the last verification's
   target entropy and top-2 margin, accepted count, all-accepted flag, mean TVD — `VerifyStats`), `copy` (does x
   continue an n-gram of prompt + output, prompt-lookup agreement — `ContextIndex`), `token` (x's and the previous
-  token's ids, embedded by the head), `hidden` (h). Trace loading computes them from stored columns
+  token's ids, embedded by the head), `text` (the token classes of x and of the previous token, and the line
+  position — `token_classes`), `hidden` (h). Trace loading computes them from stored columns
   (`features_from_columns`), decode from the loop's state (`PlusFeatures`); a test checks both give the same rows.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
 
 import torch
@@ -120,12 +122,57 @@ def disco_vector(topk: torch.Tensor, ent: torch.Tensor, position: torch.Tensor) 
 
 
 # disco_plus: the DISCO inputs plus groups of signals a decoder has for free (see `plus_layout` for the order)
-GROUPS = ("verify", "copy", "token", "hidden")
+GROUPS = ("verify", "copy", "token", "text", "hidden")
 VERIFY = ("target_entropy", "target_margin", "last_accepted", "last_all_accepted", "last_mean_tvd")
 COPY = ("copy_len", "lookup_hit", "lookup_len")
 TOKEN = ("draft_token_id", "prev_token_id")
+CLASSES = ("space", "newline", "digit", "alpha", "punct", "chars")  # per token id, `token_classes`
+TEXT = (*(f"draft_{c}" for c in CLASSES), *(f"prev_{c}" for c in CLASSES), "line_position")
 COPY_MAX = 8  # longest n-gram continuation counted by copy_len
 LOOKUP_N = 3  # prompt lookup matches the context's last 3, 2 or 1 tokens (transformers' prompt lookup uses 2-3)
+
+
+def token_classes(tokenizer):
+    """(V, 6) float32 per token id (CLASSES): leading space, contains a newline, digits only, letters only,
+    punctuation only, characters — read from byte-level BPE token strings (Ġ = space, Ċ = newline, ĉ = tab)."""
+    import string
+
+    import numpy as np
+
+    out = np.zeros((len(tokenizer), len(CLASSES)), np.float32)
+    for i, tok in enumerate(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))):
+        tok = tok or ""
+        core = tok.replace("Ġ", "").replace("Ċ", "").replace("ĉ", "")
+        punct = bool(core) and all(ch in string.punctuation for ch in core)
+        out[i] = [tok.startswith("Ġ"), "Ċ" in tok or "\n" in tok, core.isdigit(), core.isalpha(), punct, len(core)]
+    return out
+
+
+def pack_classes(table) -> str:
+    """`token_classes` as a short string for a head checkpoint: one flag byte + one length byte per id, base64."""
+    import base64
+
+    import numpy as np
+
+    flags = (table[:, :5] > 0).astype(np.uint8) @ (1 << np.arange(5, dtype=np.uint8))
+    chars = np.clip(table[:, 5], 0, 255).astype(np.uint8)
+    return base64.b64encode(np.stack([flags, chars], 1).tobytes()).decode()
+
+
+@functools.lru_cache(maxsize=4)
+def unpack_classes(packed: str):
+    import base64
+
+    import numpy as np
+
+    raw = np.frombuffer(base64.b64decode(packed), np.uint8).reshape(-1, 2)
+    bits = (raw[:, :1] >> np.arange(5, dtype=np.uint8)) & 1
+    return np.concatenate([bits, raw[:, 1:]], 1).astype(np.float32)
+
+
+def classes_of(table, token: int):
+    """The row of `token` in a class table (zeros for an id past the tokenizer: a padded logit row)."""
+    return table[token] if 0 <= token < len(table) else table[0] * 0
 
 
 @dataclass(frozen=True)
@@ -140,12 +187,20 @@ class FeatureSpec:
     k: int = DEFAULT_TOPK
     d: int = 0
     groups: tuple = ()
+    text_classes: str = ""  # `text` group: the tokenizer's `token_classes`, packed (`pack_classes`)
 
     def __post_init__(self):
-        object.__setattr__(self, "groups", tuple(g for g in GROUPS if g in tuple(self.groups or ())))
         unknown = set(self.groups or ()) - set(GROUPS)
         if unknown:
             raise ValueError(f"unknown feature group(s) {sorted(unknown)}; known: {', '.join(GROUPS)}")
+        object.__setattr__(self, "groups", tuple(g for g in GROUPS if g in tuple(self.groups or ())))
+        if "text" in self.groups and not self.text_classes:
+            raise ValueError("the text group needs the tokenizer's token classes (text_classes=pack_classes(...))")
+
+    @property
+    def classes(self):
+        """(V, len(CLASSES)) float32 token classes of the `text` group."""
+        return unpack_classes(self.text_classes)
 
     @property
     def names(self) -> list[str]:
@@ -156,7 +211,8 @@ class FeatureSpec:
         if self.kind != "disco_plus":
             return out
         for g in self.groups:
-            out += list({"verify": VERIFY, "copy": COPY, "token": TOKEN}.get(g, ())) or [f"h{i}" for i in range(self.d)]
+            out += list({"verify": VERIFY, "copy": COPY, "token": TOKEN, "text": TEXT}.get(g, ())) or [
+                f"h{i}" for i in range(self.d)]
         return out
 
     @property
@@ -315,6 +371,18 @@ class ContextIndex:
         return [float(length), hit, float(lookup)]
 
 
+CONTEXT_GROUPS = {"copy", "token", "text"}  # the groups that read the context (DraftStep.context)
+
+
+def tokens_after_newline(tokens, table) -> int:
+    """How many tokens follow the last newline token of `tokens` (all of them when there is none): the `text`
+    group's line position, the column a drafted token would start at, in tokens."""
+    for back, tok in enumerate(reversed(tokens)):
+        if classes_of(table, tok)[1]:
+            return back
+    return len(tokens)
+
+
 class PlusFeatures:
     """Builds the disco_plus row (a DISCO row is one without groups) at decode time from the loop's DraftSteps (one
     per prompt; `reset` between).
@@ -332,9 +400,11 @@ class PlusFeatures:
         self.index: ContextIndex | None = None
         self.round_mark = None
         self.last = -1
+        self.line = 0  # text group: tokens after the last newline of the context before the current token
+        self.table = spec.classes if "text" in spec.groups else None
 
     def reset(self) -> None:
-        self.index, self.round_mark, self.last = None, None, -1
+        self.index, self.round_mark, self.last, self.line = None, None, -1, 0
 
     def row(self, step: DraftStep) -> torch.Tensor:
         spec, buf, k, view = self.spec, self.buf, self.spec.k, self._np
@@ -347,10 +417,11 @@ class PlusFeatures:
             buf[k] = step.entropy
             buf[k + 1] = step.position_in_round
         i = k + 2
-        if "copy" in spec.groups or "token" in spec.groups:
+        table = self.table
+        if CONTEXT_GROUPS & set(spec.groups):
             ctx = step.context
             if ctx is None:
-                raise RuntimeError("disco_plus copy/token features need DraftStep.context (policy.needs_context)")
+                raise RuntimeError("disco_plus copy/token/text features need DraftStep.context (policy.needs_context)")
             if step.position_in_round == 0:
                 if self.index is None:
                     self.index = ContextIndex()
@@ -360,9 +431,13 @@ class PlusFeatures:
                     self.index.push(t)
                 self.round_mark = self.index.mark()
                 prev = ctx[-1] if ctx else -1
+                if table is not None:
+                    self.line = tokens_after_newline(ctx, table)
             else:
                 self.index.push(self.last)
                 prev = self.last
+                if table is not None:
+                    self.line = 0 if classes_of(table, prev)[1] else self.line + 1
             self.last = step.token
         values: list[float] = []
         for g in spec.groups:
@@ -372,6 +447,8 @@ class PlusFeatures:
                 values += self.index.copy_features(step.token)
             elif g == "token":
                 values += [float(step.token), float(prev)]
+            elif g == "text":
+                values += [*classes_of(table, step.token), *classes_of(table, prev), float(self.line)]
         if values:
             if view is not None:
                 view[i : i + len(values)] = values
@@ -431,6 +508,7 @@ PLUS_COLUMNS = {
     "verify": ("target_entropy", "target_margin", "tvd"),
     "copy": ("context_token", "prompt_tokens"),
     "token": ("context_token", "prompt_tokens"),
+    "text": ("context_token", "prompt_tokens"),
     "hidden": ("draft_hidden",),
 }
 ROUND_COLUMNS = ("draft_token", "target_token", "position", "prompt_id", "kind")
@@ -501,12 +579,35 @@ def copy_token_columns(columns: dict):
     return copy, tok
 
 
+def text_columns(columns: dict, table):
+    """(N, 13) TEXT per trace row: classes of the row's draft_token and of the context's last token, and the line
+    position of the row (`tokens_after_newline` of prompt + the continuation's context tokens before it)."""
+    import numpy as np
+
+    starts = np.flatnonzero(continuation_starts(columns))
+    ends = np.append(starts[1:], len(columns["position"]))
+    ctx_tok = _np(columns["context_token"]).astype(np.int64).tolist()
+    draft = _np(columns["draft_token"]).astype(np.int64).tolist()
+    out = np.zeros((len(draft), len(TEXT)), dtype=np.float32)
+    width = len(CLASSES)
+    for a, b in zip(starts, ends):
+        prompt = [int(t) for t in columns["prompt_tokens"][a]]
+        line, prev = tokens_after_newline(prompt, table), (prompt[-1] if prompt else -1)
+        for i in range(a, b):
+            out[i, :width] = classes_of(table, draft[i])
+            out[i, width : 2 * width] = classes_of(table, prev)
+            out[i, -1] = line
+            prev = ctx_tok[i]
+            line = 0 if classes_of(table, prev)[1] else line + 1
+    return out
+
+
 def features_from_columns(columns: dict, spec: FeatureSpec) -> torch.Tensor:
     """Head input (N, spec.dim) float32 from trace columns (a dict of arrays), the same vector decode builds per step.
 
     disco: [draft_topk[:, :k], draft_entropy, position in round] (`disco_vector`; the round position comes from
     `trace_round_positions`); hidden: draft_hidden as float32; disco_plus: the disco vector then, per group in
-    GROUPS order, `verify_columns`, `copy_token_columns` and draft_hidden (decode: `PlusFeatures.row`).
+    GROUPS order, `verify_columns`, `copy_token_columns`, `text_columns` and draft_hidden (decode: `PlusFeatures.row`).
     """
     if spec.kind in ("disco", "disco_plus"):
         topk = torch.as_tensor(_np(columns["draft_topk"]), dtype=torch.float32)
@@ -527,6 +628,8 @@ def features_from_columns(columns: dict, spec: FeatureSpec) -> torch.Tensor:
                 parts.append(torch.as_tensor(copy))
             elif g == "token":
                 parts.append(torch.as_tensor(tok))
+            elif g == "text":
+                parts.append(torch.as_tensor(text_columns(columns, spec.classes)))
             else:
                 parts.append(features_from_columns(columns, FeatureSpec("hidden", d=spec.d)))
         return torch.cat(parts, dim=1)

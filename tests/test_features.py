@@ -60,11 +60,13 @@ class Recorder:
 def test_decode_rows_equal_trace_rows(plus_traces, tiny_pair):
     from data_gen.store import load_traces
     from decode.loop import autoregressive, speculative
-    from models.features import GROUPS, FeatureSpec, continuation_starts, features_from_columns, needed_columns
+    from models.features import (GROUPS, TEXT, FeatureSpec, continuation_starts, features_from_columns,
+                                 needed_columns, pack_classes, token_classes)
     from data_gen.store import trace_columns
 
     ds, manifest = load_traces(plus_traces)
-    spec = FeatureSpec("disco_plus", k=10, d=int(manifest["hidden_size"]), groups=GROUPS)
+    spec = FeatureSpec("disco_plus", k=10, d=int(manifest["hidden_size"]), groups=GROUPS,
+                       text_classes=pack_classes(token_classes(tiny_pair.tokenizer)))
     cols = trace_columns(ds, list(needed_columns(spec)))
     x = features_from_columns(cols, spec)
     assert x.shape == (len(ds), spec.dim)
@@ -72,7 +74,7 @@ def test_decode_rows_equal_trace_rows(plus_traces, tiny_pair):
     ends = np.append(starts[1:], len(ds))
     names = spec.names
     exact = [names.index(n) for n in ("position_in_round", "last_accepted", "last_all_accepted", "copy_len",
-                                      "lookup_hit", "lookup_len", "draft_token_id", "prev_token_id")]
+                                      "lookup_hit", "lookup_len", "draft_token_id", "prev_token_id", *TEXT)]
     hidden = list(range(spec.dim - spec.d, spec.dim))  # stored as fp16 in the traces
     approx = [i for i in range(spec.dim) if i not in exact and i not in hidden]
     compared = rejected_rounds = 0
@@ -95,6 +97,40 @@ def test_decode_rows_equal_trace_rows(plus_traces, tiny_pair):
     col = {n: x[:, names.index(n)] for n in names}
     assert (col["target_entropy"] > 0).any() and (col["last_accepted"] > 0).any()
     assert (col["copy_len"] > 0).any() and (col["lookup_len"] > 0).any()
+    assert (col["line_position"] > 0).any() and (col["draft_chars"] > 0).any()
+
+
+def test_text_classes_by_hand():
+    """token_classes reads byte-level BPE marks; pack/unpack keeps the table; the line position counts the tokens
+    after the last newline, and the trace columns continue it across the context."""
+    import numpy as np
+
+    from models.features import CLASSES, pack_classes, text_columns, token_classes, tokens_after_newline, unpack_classes
+
+    class Tok:
+        pieces = ["def", "Ġfoo", "(", "):", "Ċ", "ĠĠĠ", "Ġreturn", "Ġ42", "ĊĊ"]
+
+        def __len__(self):
+            return len(self.pieces)
+
+        def convert_ids_to_tokens(self, ids):
+            return [self.pieces[i] for i in ids]
+
+    table = token_classes(Tok())
+    c = {name: i for i, name in enumerate(CLASSES)}
+    assert table[1, c["space"]] == 1 and table[1, c["alpha"]] == 1 and table[1, c["chars"]] == 3
+    assert table[3, c["punct"]] == 1 and table[7, c["digit"]] == 1
+    assert table[4, c["newline"]] == table[8, c["newline"]] == 1 and table[0, c["newline"]] == 0
+    assert np.array_equal(unpack_classes(pack_classes(table)), table)
+    assert tokens_after_newline([0, 1, 2, 3, 4, 5, 6], table) == 2
+    assert tokens_after_newline([0, 1, 2], table) == 3 and tokens_after_newline([0, 4], table) == 0
+    cols = {"position": np.arange(4), "prompt_id": np.array(["p"] * 4), "prompt_tokens": [[0, 1, 2, 3]] * 4,
+            "context_token": np.array([4, 5, 6, 7]), "draft_token": np.array([4, 6, 6, 99])}
+    out = text_columns(cols, table)
+    assert out[:, -1].tolist() == [4, 0, 1, 2]  # after "def foo():" 4 tokens; then newline resets the count
+    assert out[0, : len(CLASSES)].tolist() == table[4].tolist()  # the drafted token's classes
+    assert out[1, len(CLASSES) : 2 * len(CLASSES)].tolist() == table[4].tolist()  # the previous (context) token's
+    assert not out[3, : len(CLASSES)].any()  # an id past the tokenizer has no classes
 
 
 def test_copy_features_by_hand():

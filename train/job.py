@@ -95,6 +95,17 @@ def check_manifests(cfg: DictConfig, manifests: dict) -> dict:
     return manifests["train"]
 
 
+def text_classes(cfg: DictConfig, manifest: dict) -> str:
+    """The `text` group's token classes of the traces' tokenizer (the pair's, checked by hash), packed for the spec."""
+    from models.features import pack_classes, token_classes
+    from models.pair import load_pair, tokenizer_hash
+
+    tok = load_pair(cfg.pair).tokenizer
+    if tokenizer_hash(tok) != str(manifest.get("tokenizer_hash")):
+        raise UserError(f"pair {cfg.pair.name}'s tokenizer is not the one these traces were made with; use their pair")
+    return pack_classes(token_classes(tok))
+
+
 def feature_spec(cfg: DictConfig, manifest: dict):
     from models.features import FeatureSpec
     from models.heads import KIND_FEATURES
@@ -110,8 +121,9 @@ def feature_spec(cfg: DictConfig, manifest: dict):
         if kind != "disco_plus":
             return FeatureSpec("disco", k=k)
         groups = list(cfg.model.get("groups") or [])
+        text = text_classes(cfg, manifest) if "text" in groups else ""
         try:
-            spec = FeatureSpec("disco_plus", k=k, groups=groups)
+            spec = FeatureSpec("disco_plus", k=k, groups=groups, text_classes=text)
         except ValueError as err:
             raise UserError(f"model.groups: {err}") from None
         if "hidden" in spec.groups:
@@ -119,7 +131,7 @@ def feature_spec(cfg: DictConfig, manifest: dict):
             if d <= 0:
                 raise UserError("model.groups has 'hidden' but these traces have no hidden states; regenerate with "
                                 "trace.store_hidden=true or drop 'hidden' from model.groups")
-            spec = FeatureSpec("disco_plus", k=k, d=d, groups=groups)
+            spec = FeatureSpec("disco_plus", k=k, d=d, groups=groups, text_classes=text)
         return spec
     d = int(manifest.get("hidden_size", 0) or 0)
     if d <= 0:
