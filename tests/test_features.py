@@ -181,12 +181,13 @@ def test_disco_plus_trains_calibrates_and_decodes_losslessly(tmp_path, tiny_pair
         cfg = compose("train", ["pair=tiny_random", "logger=none", "dataset=mbpp", "model=disco_plus",
                                 f"trace_root={tmp_path / 'traces'}", "split_limits.train=3", "split_limits.validation=3",
                                 "split_limits.test=3", f"trace.max_new_tokens={NEW}", "trainer.max_epochs=3",
-                                "data.batch_size=16", "labels.reach_weight=0.5"])
+                                "data.batch_size=16", "labels.reach_weight=0.5", "model.groups=[verify,copy,token,text]"])
         with open_dict(cfg):
             cfg.trainer.enable_progress_bar = False
         res = run(cfg, tmp_path / "run")
         bundle = load_head(res["ckpt_path"])
-        assert bundle.spec.kind == "disco_plus" and bundle.spec.groups == ("verify", "copy", "token")
+        assert bundle.spec.kind == "disco_plus" and bundle.spec.groups == ("verify", "copy", "token", "text")
+        assert len(bundle.spec.classes) == len(tiny_pair.tokenizer)  # the text group's table travels in the ckpt
         assert bundle.calibration["mode"] == "platt" and 0 <= res["test/ece"] <= 1
         # item 5: train chose the stop rule for speed on validation (the best of the replayed candidates) and stored
         # it; learned:<ckpt> with no threshold decodes with it
