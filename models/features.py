@@ -161,6 +161,7 @@ def pack_classes(table) -> str:
 
 @functools.lru_cache(maxsize=4)
 def unpack_classes(packed: str):
+    """`pack_classes`' string back to the (V, 6) float32 table (cached: decode reads it once per policy)."""
     import base64
 
     import numpy as np
