@@ -375,13 +375,13 @@ class ContextIndex:
 CONTEXT_GROUPS = {"copy", "token", "text"}  # the groups that read the context (DraftStep.context)
 
 
-def tokens_after_newline(tokens, table) -> int:
-    """How many tokens follow the last newline token of `tokens` (all of them when there is none): the `text`
-    group's line position, the column a drafted token would start at, in tokens."""
-    for back, tok in enumerate(reversed(tokens)):
-        if classes_of(table, tok)[1]:
-            return back
-    return len(tokens)
+def advance_line(line: int, tokens, table) -> int:
+    """The `text` group's line position (tokens after the last newline token, the column the next token would start
+    at, in tokens) after `tokens` follow a context whose position was `line`; `advance_line(0, ctx, table)` for a
+    whole context. One rule for trace columns and decode, which advances it by the tokens each round commits."""
+    for tok in tokens:
+        line = 0 if classes_of(table, tok)[1] else line + 1
+    return line
 
 
 class PlusFeatures:
@@ -401,11 +401,12 @@ class PlusFeatures:
         self.index: ContextIndex | None = None
         self.round_mark = None
         self.last = -1
-        self.line = 0  # text group: tokens after the last newline of the context before the current token
+        # text group: the line position before the current token, and after the committed context alone
+        self.line = self.committed_line = 0
         self.table = spec.classes if "text" in spec.groups else None
 
     def reset(self) -> None:
-        self.index, self.round_mark, self.last, self.line = None, None, -1, 0
+        self.index, self.round_mark, self.last, self.line, self.committed_line = None, None, -1, 0, 0
 
     def row(self, step: DraftStep) -> torch.Tensor:
         spec, buf, k, view = self.spec, self.buf, self.spec.k, self._np
@@ -428,17 +429,18 @@ class PlusFeatures:
                     self.index = ContextIndex()
                 elif self.round_mark is not None:
                     self.index.rollback(self.round_mark)
-                for t in ctx[len(self.index.toks) :]:
+                committed = ctx[len(self.index.toks) :]  # what the last round added (all of it at first)
+                for t in committed:
                     self.index.push(t)
                 self.round_mark = self.index.mark()
                 prev = ctx[-1] if ctx else -1
                 if table is not None:
-                    self.line = tokens_after_newline(ctx, table)
+                    self.line = self.committed_line = advance_line(self.committed_line, committed, table)
             else:
                 self.index.push(self.last)
                 prev = self.last
                 if table is not None:
-                    self.line = 0 if classes_of(table, prev)[1] else self.line + 1
+                    self.line = advance_line(self.line, (prev,), table)
             self.last = step.token
         values: list[float] = []
         for g in spec.groups:
@@ -582,7 +584,7 @@ def copy_token_columns(columns: dict):
 
 def text_columns(columns: dict, table):
     """(N, 13) TEXT per trace row: classes of the row's draft_token and of the context's last token, and the line
-    position of the row (`tokens_after_newline` of prompt + the continuation's context tokens before it)."""
+    position of the row (`advance_line` over prompt + the continuation's context tokens before it)."""
     import numpy as np
 
     starts = np.flatnonzero(continuation_starts(columns))
@@ -593,13 +595,13 @@ def text_columns(columns: dict, table):
     width = len(CLASSES)
     for a, b in zip(starts, ends):
         prompt = [int(t) for t in columns["prompt_tokens"][a]]
-        line, prev = tokens_after_newline(prompt, table), (prompt[-1] if prompt else -1)
+        line, prev = advance_line(0, prompt, table), (prompt[-1] if prompt else -1)
         for i in range(a, b):
             out[i, :width] = classes_of(table, draft[i])
             out[i, width : 2 * width] = classes_of(table, prev)
             out[i, -1] = line
             prev = ctx_tok[i]
-            line = 0 if classes_of(table, prev)[1] else line + 1
+            line = advance_line(line, (prev,), table)
     return out
 
 

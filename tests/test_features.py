@@ -105,7 +105,7 @@ def test_text_classes_by_hand():
     after the last newline, and the trace columns continue it across the context."""
     import numpy as np
 
-    from models.features import CLASSES, pack_classes, text_columns, token_classes, tokens_after_newline, unpack_classes
+    from models.features import CLASSES, advance_line, pack_classes, text_columns, token_classes, unpack_classes
 
     class Tok:
         pieces = ["def", "Ġfoo", "(", "):", "Ċ", "ĠĠĠ", "Ġreturn", "Ġ42", "ĊĊ"]
@@ -122,8 +122,8 @@ def test_text_classes_by_hand():
     assert table[3, c["punct"]] == 1 and table[7, c["digit"]] == 1
     assert table[4, c["newline"]] == table[8, c["newline"]] == 1 and table[0, c["newline"]] == 0
     assert np.array_equal(unpack_classes(pack_classes(table)), table)
-    assert tokens_after_newline([0, 1, 2, 3, 4, 5, 6], table) == 2
-    assert tokens_after_newline([0, 1, 2], table) == 3 and tokens_after_newline([0, 4], table) == 0
+    assert advance_line(0, [0, 1, 2, 3, 4, 5, 6], table) == 2
+    assert advance_line(0, [0, 1, 2], table) == 3 and advance_line(0, [0, 4], table) == 0
     cols = {"position": np.arange(4), "prompt_id": np.array(["p"] * 4), "prompt_tokens": [[0, 1, 2, 3]] * 4,
             "context_token": np.array([4, 5, 6, 7]), "draft_token": np.array([4, 6, 6, 99])}
     out = text_columns(cols, table)
