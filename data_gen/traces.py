@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from models.features import draft_probs, entropy, greedy_ids, top2_margin, topk_probs, tvd
+from models.lm import cache_kw
 
 
 
@@ -71,7 +72,8 @@ def _left_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor,
 
 def _forward(model, ids, mask, pos, cache=None):
     """Last hidden states (after the final norm) of a causal LM; the LM head is applied by the caller where needed."""
-    out = model.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=cache is not None)
+    decoder = model.get_decoder()
+    out = decoder(input_ids=ids, attention_mask=mask, position_ids=pos, **cache_kw(decoder, cache), use_cache=cache is not None)
     return out.last_hidden_state
 
 

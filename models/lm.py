@@ -3,10 +3,24 @@ the cost profile call a model, so what the profile times is what decoding runs."
 
 from __future__ import annotations
 
+import functools
+import inspect
 import time
 
 import torch
 from transformers import DynamicCache
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_name(cls) -> str:
+    params = inspect.signature(cls.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def cache_kw(model, cache) -> dict:
+    """The KV-cache keyword of `model.forward`: transformers renamed `past_key_values` to `cache` (the old name
+    warns on every run and goes in 5.40); older 5.x releases know only the old one."""
+    return {_cache_name(type(model)): cache}
 
 
 class LM:
@@ -42,12 +56,12 @@ class LM:
         """Run `ids` after the cache; logits (last, V) and hidden (last, d) of the final `last` positions (0 = none)."""
         x = torch.tensor([ids], device=self.device)
         if self.plain:
-            h = self.base(input_ids=x, past_key_values=cache, use_cache=True).last_hidden_state[0]
+            h = self.base(input_ids=x, **cache_kw(self.base, cache), use_cache=True).last_hidden_state[0]
             if last == 0:
                 return None, None
             h = h[-last:]
             return self.head(h)[..., : self.vocab], h
-        out = self.model(input_ids=x, past_key_values=cache, use_cache=True, output_hidden_states=True,
+        out = self.model(input_ids=x, **cache_kw(self.model, cache), use_cache=True, output_hidden_states=True,
                          logits_to_keep=max(last, 1))
         if last == 0:
             return None, None

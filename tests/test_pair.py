@@ -8,6 +8,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from models.lm import cache_kw
 from models.pair import check_same_tokenizer, layer_subset, load_pair, tokenizer_hash
 from models.tiny import tiny_tokenizer
 from utils.cli import UserError
@@ -37,7 +38,7 @@ def test_layer_subset_matches_manual_model_and_kv_cache(tiny_pair):
         steps = [out.logits]
         cache = out.past_key_values
         for t in range(5, ids.shape[1]):
-            out = draft(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+            out = draft(ids[:, t : t + 1], **cache_kw(draft, cache), use_cache=True)
             steps.append(out.logits)
         torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-4)
     # the target is untouched by building a draft from it

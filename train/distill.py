@@ -38,6 +38,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from eval.theory import best_gamma
+from models.lm import cache_kw
 from models.pair import (STUDENT_META, Pair, cache_root, decoder_parts, eos_ids, layer_subset, load_pair,
                          load_student)
 from utils.cli import UserError, check_name, hydra_entry
@@ -248,7 +249,7 @@ def step_time(model, ids: torch.Tensor, steps: int) -> float:
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        out = model(nxt, past_key_values=cache, use_cache=True)
+        out = model(nxt, **cache_kw(model, cache), use_cache=True)
         times.append(time.perf_counter() - t0)
         cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
     times.sort()
