@@ -1,4 +1,4 @@
-"""Prompt sets: MBPP, HumanEval, Spec-Bench (and its MT-Bench part), WikiText-2 prefixes.
+"""Prompt sets: MBPP, Python standard-library code tasks, HumanEval, Spec-Bench (and its MT-Bench part), WikiText-2 prefixes.
 
 Each loader yields `Prompt(prompt_id, split, text, reference)`. Splits are official where the data set has them
 (MBPP by task_id) and deterministic hashes otherwise (Spec-Bench by question_id, WikiText-2 by article title), so a
@@ -156,7 +156,23 @@ def load_wikitext2(cfg: DictConfig) -> list[Prompt]:
     return out
 
 
-LOADERS = {"mbpp": load_mbpp, "humaneval": load_humaneval, "specbench": load_specbench, "wikitext2": load_wikitext2}
+def load_python_stdlib(cfg: DictConfig) -> list[Prompt]:
+    """Code tasks from the documented functions of CPython's standard library (data/python_stdlib, made by its
+    make.py), in MBPP's layout: the docstring summary and the `def` line inside a docstring. No draft was distilled
+    on them, so they add unshifted code prompts to a head's train split (issue 16); the reference is None.
+
+    Splits (none official): sha256("python_stdlib:<module.function>") mod 10 → 0-7 train, 8-9 validation.
+    """
+    out = []
+    for row in _jsonl(DATA / "python_stdlib" / "tasks.jsonl"):
+        tid = row["task_id"]
+        text = f'"""{row["text"]}\n{row["def"]}\n"""\n'
+        split = _hash_split(f"python_stdlib:{tid}", 8, 2)
+        out.append(Prompt(f"stdlib-{tid}", "train" if split == "train" else "validation", text, None, {"task_id": tid}))
+    return out
+
+
+LOADERS = {"mbpp": load_mbpp, "python_stdlib": load_python_stdlib, "humaneval": load_humaneval, "specbench": load_specbench, "wikitext2": load_wikitext2}
 SPLITS = ("train", "validation", "test", "prompt", "distill", "all")
 
 

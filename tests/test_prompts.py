@@ -95,3 +95,13 @@ def test_specbench_tasks_and_per_task_limit():
     assert sorted(set(tasks)) == ["math_reasoning", "mt_bench", "qa", "rag", "summarization", "translation"]
     assert all(tasks.count(t) == 3 for t in set(tasks))
     assert {p.split for p in prompts} == {"test"}
+
+
+def test_python_stdlib_tasks_in_mbpp_layout():
+    """The standard-library code tasks read like MBPP's (task sentence + a code line in a docstring), split 8/2."""
+    prompts = load_prompts(ds("python_stdlib"))
+    assert Counter(p.split for p in prompts) == {"train": 514, "validation": 130}
+    first = prompts[0]
+    assert first.prompt_id.startswith("stdlib-") and first.text.startswith('"""Write a function to ')
+    assert "\ndef " in first.text and first.text.endswith('"""\n')
+    assert len({p.prompt_id for p in prompts}) == len(prompts)

@@ -223,3 +223,34 @@ def test_trace_dirs_from_another_pair_refused_before_generation(smoke_traces):
     cfg = cfg_for("pair=smollm2_135m", f"trace_dirs.train={folder}", f"trace_root={smoke_traces}")
     with pytest.raises(UserError, match="made with pair tiny_random but this run's config says pair=smollm2_135m"):
         load_traces(cfg)
+
+
+def test_extra_train_appends_another_datasets_train_rows(smoke_traces, tiny_pair, monkeypatch):
+    """`extra_train.<name>` (a composed dataset config): its train-split traces, generated when missing, are appended
+    to the train rows only; validation and test stay the main dataset's, and the train manifest names the folders."""
+    import models.pair
+    from train.job import load_traces
+
+    monkeypatch.setattr(models.pair, "load_pair", lambda cfg: tiny_pair)  # the stdlib traces are made with the tiny pair
+    base = cfg_for("+experiment=smoke", f"trace_root={smoke_traces}")
+    cfg = cfg_for("+experiment=smoke", f"trace_root={smoke_traces}", "+dataset@extra_train.python_stdlib=python_stdlib",
+                  "+extra_train.python_stdlib.limit=3")
+    with open_dict(cfg):
+        cfg.progress = False
+    plain, _ = load_traces(base)
+    traces, manifests = load_traces(cfg)
+    ids = set(traces["train"]["prompt_id"])
+    assert len({i for i in ids if i.startswith("stdlib-")}) == 3 and set(plain["train"]["prompt_id"]) < ids
+    assert traces["train"].num_rows > plain["train"].num_rows
+    for split in ("validation", "test"):
+        assert traces[split]["prompt_id"] == plain[split]["prompt_id"]
+    (folder,) = manifests["train"]["extra_train"]
+    assert "python_stdlib" in folder and folder.endswith("--train-lim3")
+
+
+def test_extra_train_entry_that_is_not_a_dataset_refused(smoke_traces):
+    from train.job import load_traces
+
+    cfg = cfg_for("+experiment=smoke", f"trace_root={smoke_traces}", "+extra_train.mine.limit=3")
+    with pytest.raises(UserError, match="extra_train.mine is not a dataset config"):
+        load_traces(cfg)

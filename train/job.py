@@ -73,7 +73,53 @@ def load_traces(cfg: DictConfig) -> tuple[dict, dict]:
             print(f"traces for {split} missing or incomplete at {folder}: generating them (pair {cfg.pair.name})", flush=True)
             pair = load_pair(cfg.pair)
         traces[split], manifests[split] = store.load_traces(generate(scfg, split, pair))
+    extra = extra_train_cfgs(cfg)
+    if extra:
+        parts, folders = [traces["train"]], []
+        for scfg in extra:
+            folder = store.trace_folder(scfg, "train")
+            found = store.read_manifest(folder) if folder.is_dir() else None
+            if not (found and found.get("complete") and found.get("config_hash") == store.config_hash(scfg)):
+                if pair is None:
+                    from models.pair import load_pair
+
+                    print(f"extra train traces missing or incomplete at {folder}: generating them", flush=True)
+                    pair = load_pair(cfg.pair)
+                folder = generate(scfg, "train", pair)
+            ds, man = store.load_traces(folder)
+            check_pair_id(cfg, f"extra train ({scfg.dataset.name})", man)
+            parts.append(ds)
+            folders.append(str(folder))
+        from datasets import concatenate_datasets
+
+        traces["train"] = concatenate_datasets(parts)
+        manifests["train"] = dict(manifests["train"], extra_train=folders)
     return traces, manifests
+
+
+def extra_train_cfgs(cfg: DictConfig) -> list[DictConfig]:
+    """Per-dataset configs for `extra_train` (dataset configs composed into `extra_train.<name>`, e.g. by
+    `- /dataset@extra_train.python_stdlib: python_stdlib` in an experiment's defaults; `limit` in the entry caps its
+    prompts). Their train-split traces are appended to the head's train rows; validation and test stay the main
+    dataset's, so calibration, the speed rule and every reported number are on the main dataset's prompts."""
+    from omegaconf import open_dict
+
+    out = []
+    for name, dcfg in (cfg.get("extra_train") or {}).items():
+        if dcfg is None:
+            continue
+        scfg = cfg.copy()
+        with open_dict(scfg):
+            ds = OmegaConf.to_container(dcfg, resolve=True)
+            limit = ds.pop("limit", None)
+            if "loader" not in ds:
+                raise UserError(f"extra_train.{name} is not a dataset config (no loader); compose one with "
+                                f"'- /dataset@extra_train.{name}: <dataset>' in the experiment's defaults")
+            scfg.dataset = OmegaConf.create(ds)
+            scfg.limit = limit
+            scfg.extra_train = None
+        out.append(scfg)
+    return out
 
 
 def check_pair_id(cfg: DictConfig, split: str, manifest: dict) -> None:
