@@ -1,7 +1,7 @@
 """Measure the bars of issue 3 for the pair config's draft: acceptance, cost ratio c, predicted speedup.
 
     python bench/distill_metrics.py [--pair conf/pair/smollm2_135m.yaml] [--weights FILE] [--baseline] [--out NAME]
-        [--vocab-subset 4096,8192,...] [--vocab-freq models/weights/smollm2_135m_vocab_freq.json]
+        [--vocab-subset 4096,8192,...] [--vocab-freq models/weights/smollm2_135m_vocab_freq.json] [--quantize]
 
 Loads the pair exactly as every stage does (`load_pair(OmegaConf.load(path))`; `--weights` swaps in another student
 file, e.g. a snapshot, before the config is switched). Then, on this machine:
@@ -13,7 +13,7 @@ file, e.g. a snapshot, before the config is switched). Then, on this machine:
 - Leviathan et al.'s predicted speedup at the best constant draft length, for both acceptance notions;
 - the cost profile of the loop's own calls (models.cost: c and t_target(n)/t_target(1)) and the best-K speedup it
   predicts, where a verification pass over K+1 tokens costs t(K+1) instead of one step (`speedup_profile`).
-`--vocab-subset` adds one row per N: the same draft with an FR-Spec head over the N most frequent tokens
+`--quantize` adds a row for the same draft with int8 weights (`pair.draft.quantize=int8`). `--vocab-subset` adds one row per N: the same draft with an FR-Spec head over the N most frequent tokens
 (models.lm_head.SubsetHead; the pair's `vocab_subset` setting is ignored for the "full" row).
 Writes bench/results/<out>.json and .md. `--baseline` adds the untrained layer subset of the same layers.
 """
@@ -87,12 +87,16 @@ def main() -> None:
     ap.add_argument("--out", default="distill")
     ap.add_argument("--vocab-subset", default="", help="comma-separated N: FR-Spec draft heads to measure too")
     ap.add_argument("--vocab-freq", default="models/weights/smollm2_135m_vocab_freq.json")
+    ap.add_argument("--quantize", action="store_true", help="also measure the config's draft with int8 weights "
+                    "(pair.draft.quantize=int8, models.lm_head.Int8Linear)")
     args = ap.parse_args()
 
     cfg = OmegaConf.load(REPO / args.pair if not os.path.isabs(args.pair) else args.pair)
     subset_sizes = [int(x) for x in args.vocab_subset.split(",") if x.strip()]
     if subset_sizes:  # the "draft" row is the full head; subset rows are built below
         cfg.draft.vocab_subset = None
+    if args.quantize:  # the "draft" row is the draft with its float weights; the int8 row is built below
+        cfg.draft.quantize = None
     if args.weights:
         cfg.draft = OmegaConf.create({"source": "student", "weights": str(Path(args.weights).resolve())})
     pair = load_pair(cfg)
@@ -123,6 +127,11 @@ def main() -> None:
     if args.baseline:
         layers = info["layers"] if info else list(cfg.draft.get("layers", [0, 1, 2, 3]))
         rows[f"layer_subset{layers}"] = measure(layer_subset(pair.target, layers), pair, code, text, cost_ids)
+    if args.quantize:  # last: it quantizes the draft in place (what load_pair does for pair.draft.quantize=int8)
+        from models.lm_head import quantize_linears
+
+        quantize_linears(pair.draft, keep={id(p) for p in pair.target.parameters()})
+        rows["quantize=int8"] = measure(pair.draft, pair, code, text, cost_ids)
 
     result = {
         "pair": args.pair, "draft": OmegaConf.to_container(cfg.draft), "student_info": {

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from models.lm_head import SubsetHead, pack_linears, read_frequencies, resolve_linear, subset_ids
+from models.lm_head import SubsetHead, pack_linears, quantize_linears, read_frequencies, resolve_linear, subset_ids
 from utils.cli import UserError, check_name
 from utils.files import sha256_file
 
@@ -389,6 +389,11 @@ def load_pair(cfg: DictConfig | str) -> Pair:
     vocab = min(_head_width(target), _head_width(draft))
     if cfg.draft.get("vocab_subset"):
         draft = reduce_draft_vocab(draft, tok, cfg.draft, vocab)
+    quantize = cfg.draft.get("quantize")
+    if quantize not in (None, "int8"):
+        raise UserError(f"draft.quantize must be int8 or null, got '{quantize}'")
+    if quantize:
+        quantize_linears(draft, keep={id(p) for p in target.parameters()})
     linear = resolve_linear(str(cfg.get("linear", "auto")), device)
     if linear == "packed":
         pack_linears(target)
