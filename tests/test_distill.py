@@ -113,12 +113,15 @@ def test_shipped_student_is_the_default_draft():
     assert cfg.draft.source == "student" and weights.stat().st_size <= 40 * 2**20
     pair = load_pair(cfg)
     assert pair.draft.student_info["layers"] == [0, 1, 2, 3]
-    # the FR-Spec head holds the target's output rows for the subset, not a copy of another matrix
-    from models.lm_head import SubsetHead
+    # the FR-Spec head holds the target's output rows for the subset (int8: cfg.draft.quantize), not another matrix
+    from models.lm_head import Int8Linear, SubsetHead
 
     head = pair.draft.lm_head
     assert isinstance(head, SubsetHead) and cfg.draft.vocab_subset <= len(head.ids) < cfg.draft.vocab_subset + 64
-    assert torch.equal(head.weight, pair.target.lm_head.weight[head.ids])
+    assert cfg.draft.quantize == "int8" and isinstance(head.proj, Int8Linear)
+    rows = pair.target.lm_head.weight[head.ids].float()
+    deq = head.proj.qweight.float() * head.proj.scale.float()[:, None]
+    assert bool(((deq - rows).abs().amax(1) <= 0.51 * head.proj.scale.float()).all())
     assert pair.draft.get_input_embeddings() is pair.target.get_input_embeddings()
     text = ('"""Write a function to find the maximum of two numbers.\nassert max_of_two(3, 5) == 5\n"""\n'
             "def max_of_two(a, b):\n    if a > b:\n        return a\n    else:\n        return b\n\n"
