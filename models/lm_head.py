@@ -16,7 +16,8 @@ target-only baseline and speculative decoding run the same modules, so every met
 **Int8 draft weights** (`pair.draft.quantize=int8`, issue 15). At batch 1 a draft step streams every weight from
 memory once: the default draft's 4 layers and 8k-row head are ~38 MB in bf16, more than this CPU's 32 MB L3, and a
 bf16 draft step spent 2.7 of its 4.9 ms in products. `Int8Linear` keeps int8 weights with one scale per output row
-(half the bytes) and multiplies with torch's weight-only int8 kernel. Only the draft is quantized: its q changes
+(half the bytes) and multiplies with torch's weight-only int8 kernel where that is fast (bf16 on CPU; elsewhere the
+same rounded weights stay in a float Linear). Only the draft is quantized: its q changes
 (it is a different draft, with its own traces and heads), the target and so verification do not, so decoding stays
 exactly lossless.
 
@@ -101,11 +102,8 @@ def pack_linears(model: torch.nn.Module, min_elements: int = MIN_PACKED) -> int:
 
 
 class Int8Linear(torch.nn.Module):
-    """A Linear with int8 weights and a per-output-row scale (symmetric, max-abs): y = x·(s ⊙ W_int8)ᵀ + b.
-
-    Inference only (buffers, no parameters). CPU uses `aten._weight_int8pack_mm`, which reads the int8 weight
-    directly; other devices multiply by the dequantized weight, kept once (the same numbers up to the product's
-    rounding). Quantized from the weight in its current dtype."""
+    """A Linear with int8 weights and a per-output-row scale (symmetric, max-abs): y = x·(s ⊙ W_int8)ᵀ + b, through
+    `aten._weight_int8pack_mm`, which reads the int8 weight directly. Inference only (buffers, no parameters)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
@@ -117,11 +115,20 @@ class Int8Linear(torch.nn.Module):
         self.register_buffer("scale", scale)
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
         self.out_features, self.in_features = weight.shape
-        self._dequant = None if weight.device.type == "cpu" else (self.qweight.to(weight.dtype) * self.scale[:, None])
+
+    def dequantized(self) -> torch.nn.Linear:
+        """The same weights (s ⊙ W_int8) as a plain Linear in the scale's dtype: the product where the int8 kernel
+        is slow (float32 on CPU, CUDA); `pack_linears` packs it like any other."""
+        lin = torch.nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
+                              device=self.qweight.device, dtype=self.scale.dtype)
+        with torch.no_grad():
+            lin.weight.copy_(self.qweight.to(self.scale.dtype) * self.scale[:, None])
+            if self.bias is not None:
+                lin.bias.copy_(self.bias)
+        lin.requires_grad_(False)
+        return lin
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._dequant is not None:
-            return torch.nn.functional.linear(x, self._dequant.to(x.dtype), self.bias)
         flat = x.reshape(-1, self.in_features).contiguous()
         y = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scale.to(x.dtype))
         if self.bias is not None:
@@ -129,8 +136,16 @@ class Int8Linear(torch.nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
+def int8_kernel_is_fast(dtype: torch.dtype, device: torch.device) -> bool:
+    """torch 2.13's CPU int8 product is vectorised for bf16 activations only: for one 1536 x 576 row product 30 µs in
+    bf16 but 526 µs in float32 (F.linear 71 µs) on a 2-core AMD EPYC, so float32 would make the draft 4x slower."""
+    return device.type == "cpu" and dtype == torch.bfloat16
+
+
 def quantize_linears(model: torch.nn.Module, keep: set[int] = frozenset()) -> int:
-    """Replace every `nn.Linear` / `PackedLinear` of `model` by an `Int8Linear`; returns how many. A Linear whose
+    """Round every `nn.Linear` / `PackedLinear` weight of `model` to int8 with per-row scales; returns how many. Where
+    the int8 kernel is fast (`int8_kernel_is_fast`) the layer becomes an `Int8Linear`; elsewhere a float Linear
+    holding the same rounded weights, so the draft's numbers are the int8 draft's in every dtype. A Linear whose
     weight is in `keep` (ids of tensors another model shares, e.g. the target's) is refused, not quantized under it."""
     n = 0
     for module in list(model.modules()):
@@ -141,7 +156,8 @@ def quantize_linears(model: torch.nn.Module, keep: set[int] = frozenset()) -> in
                 raise UserError(f"draft.quantize=int8 would quantize '{name}', which the draft shares with the target; "
                                 "use a draft with its own weights (source=student with vocab_subset, or hf) or "
                                 "draft.quantize=null")
-            setattr(module, name, Int8Linear(child.weight, child.bias))
+            q = Int8Linear(child.weight, child.bias)
+            setattr(module, name, q if int8_kernel_is_fast(child.weight.dtype, child.weight.device) else q.dequantized())
             n += 1
     return n
 

@@ -3,6 +3,7 @@ FR-Spec reduced-vocabulary draft) and its losslessness."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import numpy as np
@@ -367,3 +368,21 @@ def test_int8_refuses_weights_shared_with_the_target_and_unknown_modes(tiny_cfg)
         load_pair(OmegaConf.merge(tiny_cfg, {"draft": {"quantize": "int8"}}))
     with pytest.raises(UserError, match="draft.quantize must be int8 or null"):
         load_pair(OmegaConf.merge(tiny_cfg, {"draft": {"quantize": "int4"}}))
+
+
+def test_int8_uses_the_kernel_only_where_it_is_fast():
+    """bf16 on CPU gets Int8Linear; float32 (where torch's int8 kernel is scalar code) gets a float Linear holding the
+    same rounded weights, so the int8 draft's numbers do not depend on which product computes them."""
+    from models.lm_head import Int8Linear, quantize_linears
+
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    for dtype, kind in ((torch.bfloat16, Int8Linear), (torch.float32, torch.nn.Linear)):
+        model = copy.deepcopy(base).to(dtype)
+        assert quantize_linears(model) == 2
+        assert all(type(model[i]) is kind for i in (0, 2))
+    f32 = copy.deepcopy(base)
+    ref = Int8Linear(f32[0].weight, f32[0].bias)
+    quantize_linears(f32)
+    torch.testing.assert_close(f32[0].weight, ref.qweight.float() * ref.scale[:, None], rtol=0, atol=0)
+    assert not f32[0].weight.requires_grad
