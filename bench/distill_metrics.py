@@ -13,8 +13,9 @@ file, e.g. a snapshot, before the config is switched). Then, on this machine:
 - Leviathan et al.'s predicted speedup at the best constant draft length, for both acceptance notions;
 - the cost profile of the loop's own calls (models.cost: c and t_target(n)/t_target(1)) and the best-K speedup it
   predicts, where a verification pass over K+1 tokens costs t(K+1) instead of one step (`speedup_profile`).
-`--quantize` adds a row for the same draft with int8 weights (`pair.draft.quantize=int8`). `--vocab-subset` adds one row per N: the same draft with an FR-Spec head over the N most frequent tokens
-(models.lm_head.SubsetHead; the pair's `vocab_subset` setting is ignored for the "full" row).
+`--quantize` adds a row for the same draft with int8 weights (`pair.draft.quantize=int8`; the "draft" row then has
+the float weights). `--vocab-subset` adds one row per N: the same draft with an FR-Spec head over the N most frequent
+tokens (models.lm_head.SubsetHead; the pair's `vocab_subset` setting is ignored for the "full" row).
 Writes bench/results/<out>.json and .md. `--baseline` adds the untrained layer subset of the same layers.
 """
 
@@ -93,8 +94,9 @@ def main() -> None:
 
     cfg = OmegaConf.load(REPO / args.pair if not os.path.isabs(args.pair) else args.pair)
     subset_sizes = [int(x) for x in args.vocab_subset.split(",") if x.strip()]
-    if subset_sizes:  # the "draft" row is the full head; subset rows are built below
-        cfg.draft.vocab_subset = None
+    if subset_sizes:  # the "draft" row is the full head; subset rows are built below, all with float weights (the
+        cfg.draft.vocab_subset = None  # full head is the target's own matrix, which int8 must not touch)
+        cfg.draft.quantize = None
     if args.quantize:  # the "draft" row is the draft with its float weights; the int8 row is built below
         cfg.draft.quantize = None
     if args.weights:

@@ -48,50 +48,47 @@ def load_traces(cfg: DictConfig) -> tuple[dict, dict]:
 
     A complete folder made with the same settings is reused without loading the models; otherwise the pair is
     loaded once (for all splits) and `data_gen.run.generate` makes or resumes the traces, with its progress bar.
+    `extra_train` datasets' train traces are found or made the same way and appended to the train split.
     """
     from data_gen import store
     from data_gen.run import generate
 
     explicit = cfg.get("trace_dirs") or {}
     pair = None
+
+    def load_or_generate(scfg: DictConfig, split: str, what: str):
+        nonlocal pair
+        folder = store.trace_folder(scfg, split)
+        try:
+            found = store.read_manifest(folder)
+        except UserError:
+            found = None  # corrupt manifest: generate() decides (resume, or one line saying what to do)
+        if found and found.get("complete") and found.get("config_hash") == store.config_hash(scfg):
+            return store.load_traces(folder)
+        if pair is None:
+            from models.pair import load_pair
+
+            print(f"{what} traces missing or incomplete at {folder}: generating them (pair {cfg.pair.name})", flush=True)
+            pair = load_pair(cfg.pair)
+        return store.load_traces(generate(scfg, split, pair))
+
     traces, manifests = {}, {}
     for split in SPLITS:
         if explicit.get(split):
             traces[split], manifests[split] = store.load_traces(Path(str(explicit[split])))
             check_pair_id(cfg, split, manifests[split])  # before any generation for the other splits
             continue
-        scfg = split_cfg(cfg, split)
-        folder = store.trace_folder(scfg, split)
-        try:
-            found = store.read_manifest(folder)
-        except UserError:
-            found = None  # corrupt manifest: generate() decides (resume, or one line saying what to do)
-        reusable = bool(found and found.get("complete") and found.get("config_hash") == store.config_hash(scfg))
-        if not reusable and pair is None:
-            from models.pair import load_pair
-
-            print(f"traces for {split} missing or incomplete at {folder}: generating them (pair {cfg.pair.name})", flush=True)
-            pair = load_pair(cfg.pair)
-        traces[split], manifests[split] = store.load_traces(generate(scfg, split, pair))
+        traces[split], manifests[split] = load_or_generate(split_cfg(cfg, split), split, split)
     extra = extra_train_cfgs(cfg)
     if extra:
-        parts, folders = [traces["train"]], []
-        for scfg in extra:
-            folder = store.trace_folder(scfg, "train")
-            found = store.read_manifest(folder) if folder.is_dir() else None
-            if not (found and found.get("complete") and found.get("config_hash") == store.config_hash(scfg)):
-                if pair is None:
-                    from models.pair import load_pair
-
-                    print(f"extra train traces missing or incomplete at {folder}: generating them", flush=True)
-                    pair = load_pair(cfg.pair)
-                folder = generate(scfg, "train", pair)
-            ds, man = store.load_traces(folder)
-            check_pair_id(cfg, f"extra train ({scfg.dataset.name})", man)
-            parts.append(ds)
-            folders.append(str(folder))
         from datasets import concatenate_datasets
 
+        parts, folders = [traces["train"]], []
+        for scfg in extra:
+            ds, man = load_or_generate(scfg, "train", f"extra train ({scfg.dataset.name})")
+            check_pair_id(cfg, f"extra train ({scfg.dataset.name})", man)
+            parts.append(ds)
+            folders.append(str(store.trace_folder(scfg, "train")))
         traces["train"] = concatenate_datasets(parts)
         manifests["train"] = dict(manifests["train"], extra_train=folders)
     return traces, manifests
