@@ -16,8 +16,8 @@ target-only baseline and speculative decoding run the same modules, so every met
 **Int8 draft weights** (`pair.draft.quantize=int8`, issue 15). At batch 1 a draft step streams every weight from
 memory once: the default draft's 4 layers and 8k-row head are ~38 MB in bf16, more than this CPU's 32 MB L3, and a
 bf16 draft step spent 2.7 of its 4.9 ms in products. `Int8Linear` keeps int8 weights with one scale per output row
-(half the bytes) and multiplies with torch's weight-only int8 kernel where that is fast (bf16 on CPU; elsewhere the
-same rounded weights stay in a float Linear). Only the draft is quantized: its q changes
+(half the bytes) and multiplies with torch's weight-only int8 kernel, where that is fast (bf16 on CPU; float32 and
+CUDA keep the float weights, as int8 saves nothing there). Only the draft is quantized: its q changes
 (it is a different draft, with its own traces and heads), the target and so verification do not, so decoding stays
 exactly lossless.
 
@@ -116,18 +116,6 @@ class Int8Linear(torch.nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
         self.out_features, self.in_features = weight.shape
 
-    def dequantized(self) -> torch.nn.Linear:
-        """The same weights (s ⊙ W_int8) as a plain Linear in the scale's dtype: the product where the int8 kernel
-        is slow (float32 on CPU, CUDA); `pack_linears` packs it like any other."""
-        lin = torch.nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
-                              device=self.qweight.device, dtype=self.scale.dtype)
-        with torch.no_grad():
-            lin.weight.copy_(self.qweight.to(self.scale.dtype) * self.scale[:, None])
-            if self.bias is not None:
-                lin.bias.copy_(self.bias)
-        lin.requires_grad_(False)
-        return lin
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).contiguous()
         y = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scale.to(x.dtype))
@@ -138,14 +126,15 @@ class Int8Linear(torch.nn.Module):
 
 def int8_kernel_is_fast(dtype: torch.dtype, device: torch.device) -> bool:
     """torch 2.13's CPU int8 product is vectorised for bf16 activations only: for one 1536 x 576 row product 30 µs in
-    bf16 but 526 µs in float32 (F.linear 71 µs) on a 2-core AMD EPYC, so float32 would make the draft 4x slower."""
+    bf16 but 526 µs in float32 (F.linear 71 µs) on a 2-core AMD EPYC, so float32 would make the draft 4x slower;
+    CUDA's float products are not memory-bound the same way at this size."""
     return device.type == "cpu" and dtype == torch.bfloat16
 
 
-def quantize_linears(model: torch.nn.Module, keep: set[int] = frozenset()) -> int:
-    """Round every `nn.Linear` / `PackedLinear` weight of `model` to int8 with per-row scales; returns how many. Where
-    the int8 kernel is fast (`int8_kernel_is_fast`) the layer becomes an `Int8Linear`; elsewhere a float Linear
-    holding the same rounded weights, so the draft's numbers are the int8 draft's in every dtype. A Linear whose
+def quantize_linears(model: torch.nn.Module, keep: set[int] = frozenset(), only_where_fast: bool = True) -> int:
+    """Replace every `nn.Linear` / `PackedLinear` of `model` by an `Int8Linear`; returns how many. With
+    `only_where_fast` (what `pair.draft.quantize=int8` does) layers whose dtype/device the int8 kernel is slow for
+    (`int8_kernel_is_fast`: float32, CUDA) keep their float weights, because there int8 saves nothing. A Linear whose
     weight is in `keep` (ids of tensors another model shares, e.g. the target's) is refused, not quantized under it."""
     n = 0
     for module in list(model.modules()):
@@ -156,8 +145,9 @@ def quantize_linears(model: torch.nn.Module, keep: set[int] = frozenset()) -> in
                 raise UserError(f"draft.quantize=int8 would quantize '{name}', which the draft shares with the target; "
                                 "use a draft with its own weights (source=student with vocab_subset, or hf) or "
                                 "draft.quantize=null")
-            q = Int8Linear(child.weight, child.bias)
-            setattr(module, name, q if int8_kernel_is_fast(child.weight.dtype, child.weight.device) else q.dequantized())
+            if only_where_fast and not int8_kernel_is_fast(child.weight.dtype, child.weight.device):
+                continue
+            setattr(module, name, Int8Linear(child.weight, child.bias))
             n += 1
     return n
 
