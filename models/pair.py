@@ -377,6 +377,9 @@ def load_pair(cfg: DictConfig | str) -> Pair:
     """Load the pair a config (or a `conf/pair` name) describes; refuse one whose tokenizers differ."""
     if isinstance(cfg, str):
         cfg = OmegaConf.load(check_name("pair", cfg))
+    quantize = cfg.draft.get("quantize")
+    if quantize not in (None, "int8"):  # before any weights load
+        raise UserError(f"draft.quantize must be int8 or null, got '{quantize}'")
     device = resolve_device(str(cfg.get("device", "auto")))
     dtype = resolve_dtype(str(cfg.get("dtype", "float32")), device)
     target, tok = _build(cfg.target, "target", cfg, dtype)
@@ -389,9 +392,6 @@ def load_pair(cfg: DictConfig | str) -> Pair:
     vocab = min(_head_width(target), _head_width(draft))
     if cfg.draft.get("vocab_subset"):
         draft = reduce_draft_vocab(draft, tok, cfg.draft, vocab)
-    quantize = cfg.draft.get("quantize")
-    if quantize not in (None, "int8"):
-        raise UserError(f"draft.quantize must be int8 or null, got '{quantize}'")
     if quantize:
         quantize_linears(draft, keep={id(p) for p in target.parameters()})
     linear = resolve_linear(str(cfg.get("linear", "auto")), device)

@@ -85,8 +85,9 @@ def load_traces(cfg: DictConfig) -> tuple[dict, dict]:
 
         parts, folders = [traces["train"]], []
         for scfg in extra:
-            ds, man = load_or_generate(scfg, "train", f"extra train ({scfg.dataset.name})")
-            check_pair_id(cfg, f"extra train ({scfg.dataset.name})", man)
+            what = f"extra train ({scfg.dataset.name})"
+            ds, man = load_or_generate(scfg, "train", what)
+            check_pair_id(cfg, what, man)
             parts.append(ds)
             folders.append(str(store.trace_folder(scfg, "train")))
         traces["train"] = concatenate_datasets(parts)
