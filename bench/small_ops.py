@@ -90,7 +90,7 @@ def draft_step(pair_name: str, steps: int = 40) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     pair = load_pair(pair_name)
-    lm = LM(pair.draft, pair.vocab_size)
+    lm = LM.of(pair, "draft")
     cache = lm.new_cache()
     lm(list(range(100, 300)), cache, last=1)
     ts = []

@@ -1,8 +1,8 @@
 """THE speculative loop (batch 1): draft with a stop policy, verify with the target, roll both KV caches back exactly.
 
-Both models keep a `DynamicCache`. The first call of each model runs the whole prompt; afterwards the last emitted
+Both models keep a KV cache (`models.lm.LM.new_cache`). The first call of each model runs the whole prompt; afterwards the last emitted
 token is "pending" for the target, so every target call is [pending, x_1..x_K] → p at K+1 positions. After a
-verification that kept n of K drafted tokens, `DynamicCache.crop(-m)` removes exactly the m rejected positions
+verification that kept n of K drafted tokens, `cache.crop(-m)` removes exactly the m rejected positions
 from each cache (target: K − n; draft: K − 1 − n, since the draft never ran on its own last token).
 
 Greedy (temperature 0) and sampling (temperature, top-p) share the loop; exact verification is lossless, SPRINTER
@@ -55,7 +55,7 @@ def _eos_cut(tokens: list[int], eos: set[int]) -> tuple[list[int], bool]:
 def autoregressive(pair, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                    eos: set[int] | None = None, generator: torch.Generator | None = None) -> GenResult:
     """Target-only decoding with the same model calls as the speculative loop (the speedup baseline)."""
-    lm = LM(pair.target, pair.vocab_size)
+    lm = LM.of(pair, "target")
     clock = Clock(lm.device)
     eos = eos or set()
     t0 = clock()
@@ -114,7 +114,7 @@ def speculative(pair, prompt_ids: list[int], policy, max_new_tokens: int, temper
     ctx = list(prompt_ids) if want_ctx else None
     vstats = None
     eos = eos or set()
-    draft, target = LM(pair.draft, pair.vocab_size), LM(pair.target, pair.vocab_size)
+    draft, target = LM.of(pair, "draft"), LM.of(pair, "target")
     clock = Clock(target.device)
     now = time.perf_counter
 

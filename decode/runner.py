@@ -102,7 +102,7 @@ def run_info(cfg: DictConfig, pair, split: str, summary: dict, profile=None) -> 
         "dataset": str(cfg.dataset.name), "split": split,
         "limit": cfg.tune.get("limit", cfg.get("limit")) if tuning else cfg.get("limit"),
         "max_new_tokens": int(cfg.max_new_tokens), "temperature": float(cfg.temperature), "top_p": float(cfg.top_p),
-        "seed": int(cfg.seed), "device": str(pair.device), "dtype": str(pair.dtype), "linear": pair.linear,
+        "seed": int(cfg.seed), "device": str(pair.device), "dtype": str(pair.dtype), "linear": pair.linear, "forward": pair.forwards,
         "batch_size": 1,
         "torch_threads": torch.get_num_threads(), "measured_c": summary["target"].get("measured_c"),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": machine(),

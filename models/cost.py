@@ -151,7 +151,7 @@ def profile_key(pair, settings: DictConfig) -> dict:
     """What the profile depends on: the same key reuses the cached measurement."""
     draft = OmegaConf.to_container(pair.cfg.draft, resolve=True) if isinstance(pair.cfg, DictConfig) else {}
     return {"pair": pair.pair_id, "draft": draft, "dtype": str(pair.dtype).replace("torch.", ""),
-            "linear": getattr(pair, "linear", "torch"), "device": str(pair.device), "threads": torch.get_num_threads(),
+            "linear": getattr(pair, "linear", "torch"), "forward": getattr(pair, "forwards", {}), "device": str(pair.device), "threads": torch.get_num_threads(),
             "torch": torch.__version__,
             "machine": machine(), "max_n": int(settings.max_n), "context": int(settings.context),
             "prefill_lengths": [int(x) for x in settings.prefill_lengths]}
@@ -205,7 +205,7 @@ def measure(pair, settings: DictConfig, progress: bool = True) -> CostProfile:
     c = int(settings.context)
     max_n = int(settings.max_n)
     lengths = [int(x) for x in settings.prefill_lengths]
-    draft, target = LM(pair.draft, pair.vocab_size), LM(pair.target, pair.vocab_size)
+    draft, target = LM.of(pair, "draft"), LM.of(pair, "target")
     dcache, tcache = draft.new_cache(), target.new_cache()
     draft(ids[:c], dcache, last=0)
     target(ids[:c], tcache, last=0)

@@ -10,6 +10,8 @@ import time
 import torch
 from transformers import DynamicCache
 
+from models.lean import LeanLlama, supports
+
 
 @functools.lru_cache(maxsize=None)
 def _cache_name(cls) -> str:
@@ -28,10 +30,11 @@ class LM:
 
     Uses the base model + output embedding directly (hidden = the final-norm output that produces the logits, as
     models.features defines it) so the LM head runs only on the positions asked for. Models that post-process logits
-    (softcapping, logit scales) go through the full forward instead.
+    (softcapping, logit scales) go through the full forward instead. With `lean` a plain Llama model runs
+    models.lean's forward (transformers' numbers bit for bit, fewer calls) with its own cache.
     """
 
-    def __init__(self, model, vocab_size: int):
+    def __init__(self, model, vocab_size: int, lean: bool = False):
         self.model = model
         self.vocab = vocab_size
         cfg = model.config
@@ -48,13 +51,27 @@ class LM:
         ids = getattr(model.get_output_embeddings(), "ids", None)
         self.support = ids if isinstance(ids, torch.Tensor) else None
         self.device = next(model.parameters()).device
+        self.lean = LeanLlama(model) if lean and self.plain and supports(model) else None
 
-    def new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self.model.config)
+    @classmethod
+    def of(cls, pair, role: str) -> "LM":
+        """The pair's `role` model ("draft" or "target") with the forward `pair.forward` resolved to for it (an object
+        without `forwards`: transformers')."""
+        return cls(getattr(pair, role), pair.vocab_size, lean=getattr(pair, "forwards", {}).get(role) == "lean")
 
-    def __call__(self, ids: list[int], cache: DynamicCache, last: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def new_cache(self):
+        """A DynamicCache, or a models.lean.LeanCache for the lean forward: both `crop(-m)` the last m positions."""
+        return self.lean.new_cache() if self.lean else DynamicCache(config=self.model.config)
+
+    def __call__(self, ids: list[int], cache, last: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Run `ids` after the cache; logits (last, V) and hidden (last, d) of the final `last` positions (0 = none)."""
         x = torch.tensor([ids], device=self.device)
+        if self.lean:
+            if last == 0:
+                self.lean.hidden(x[0], cache)
+                return None, None
+            h = self.lean.hidden(x[0], cache)[0, -last:]
+            return self.head(h)[..., : self.vocab], h
         if self.plain:
             h = self.base(input_ids=x, **cache_kw(self.base, cache), use_cache=True).last_hidden_state[0]
             if last == 0:

@@ -23,12 +23,13 @@ import logging
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from models.lean import supports as lean_supports
 from models.lm_head import SubsetHead, pack_linears, quantize_linears, read_frequencies, resolve_linear, subset_ids
 from utils.cli import UserError, check_name
 from utils.files import sha256_file
@@ -61,6 +62,7 @@ class Pair:
     vocab_size: int
     cfg: DictConfig
     linear: str = "torch"  # the linear product, what pair.linear resolved to (models.lm_head)
+    forwards: dict = field(default_factory=dict)  # role -> "lean" | "hf", what pair.forward resolved to (models.lean)
 
     @property
     def pair_id(self) -> str:
@@ -380,6 +382,8 @@ def load_pair(cfg: DictConfig | str) -> Pair:
     quantize = cfg.draft.get("quantize")
     if quantize not in (None, "int8"):  # before any weights load
         raise UserError(f"draft.quantize must be int8 or null, got '{quantize}'")
+    if str(cfg.get("forward", "auto")) not in FORWARDS:
+        raise UserError(f"pair.forward must be one of {', '.join(FORWARDS)}, got '{cfg.get('forward')}'")
     device = resolve_device(str(cfg.get("device", "auto")))
     dtype = resolve_dtype(str(cfg.get("dtype", "float32")), device)
     target, tok = _build(cfg.target, "target", cfg, dtype)
@@ -398,6 +402,7 @@ def load_pair(cfg: DictConfig | str) -> Pair:
     if linear == "packed":
         pack_linears(target)
         pack_linears(draft)
+    forwards = resolve_forwards(str(cfg.get("forward", "auto")), {"draft": draft, "target": target})
     return Pair(
         name=str(cfg.name),
         draft=draft,
@@ -410,4 +415,23 @@ def load_pair(cfg: DictConfig | str) -> Pair:
         vocab_size=vocab,
         cfg=cfg,
         linear=linear,
+        forwards=forwards,
     )
+
+
+FORWARDS = ("auto", "lean", "hf")
+
+
+def resolve_forwards(name: str, models: dict) -> dict:
+    """`pair.forward`: `auto` runs each plain Llama model through models.lean (the same numbers as transformers',
+    fewer calls) and any other through transformers; `hf` runs both through transformers; `lean` insists."""
+    if name not in FORWARDS:
+        raise UserError(f"pair.forward must be one of {', '.join(FORWARDS)}, got '{name}'")
+    out = {}
+    for role, model in models.items():
+        ok = lean_supports(model)
+        if name == "lean" and not ok:
+            raise UserError(f"pair.forward=lean needs plain Llama blocks, which the {role} "
+                            f"({getattr(model.config, 'model_type', '?')}) is not; use pair.forward=auto or hf")
+        out[role] = "lean" if ok and name != "hf" else "hf"
+    return out
