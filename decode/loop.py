@@ -1,9 +1,9 @@
 """THE speculative loop (batch 1): draft with a stop policy, verify with the target, roll both KV caches back exactly.
 
-Both models keep a KV cache (`models.lm.LM.new_cache`). The first call of each model runs the whole prompt; afterwards the last emitted
-token is "pending" for the target, so every target call is [pending, x_1..x_K] → p at K+1 positions. After a
-verification that kept n of K drafted tokens, `cache.crop(-m)` removes exactly the m rejected positions
-from each cache (target: K − n; draft: K − 1 − n, since the draft never ran on its own last token).
+Both models keep a KV cache (`models.lm.LM.new_cache`). The first call of each model runs the whole prompt;
+afterwards the last emitted token is "pending" for the target, so every target call is [pending, x_1..x_K] → p at
+K+1 positions. After a verification that kept n of K drafted tokens, `cache.crop(-m)` removes exactly the m rejected
+positions from each cache (target: K − n; draft: K − 1 − n, since the draft never ran on its own last token).
 
 Greedy (temperature 0) and sampling (temperature, top-p) share the loop; exact verification is lossless, SPRINTER
 verification (`policy.approximate`) keeps verifier-accepted tokens unchecked. `autoregressive` is the target-only

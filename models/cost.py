@@ -151,8 +151,8 @@ def profile_key(pair, settings: DictConfig) -> dict:
     """What the profile depends on: the same key reuses the cached measurement."""
     draft = OmegaConf.to_container(pair.cfg.draft, resolve=True) if isinstance(pair.cfg, DictConfig) else {}
     return {"pair": pair.pair_id, "draft": draft, "dtype": str(pair.dtype).replace("torch.", ""),
-            "linear": getattr(pair, "linear", "torch"), "forward": getattr(pair, "forwards", {}), "device": str(pair.device), "threads": torch.get_num_threads(),
-            "torch": torch.__version__,
+            "linear": getattr(pair, "linear", "torch"), "forward": getattr(pair, "forwards", {}),
+            "device": str(pair.device), "threads": torch.get_num_threads(), "torch": torch.__version__,
             "machine": machine(), "max_n": int(settings.max_n), "context": int(settings.context),
             "prefill_lengths": [int(x) for x in settings.prefill_lengths]}
 

@@ -31,7 +31,7 @@ class LM:
     Uses the base model + output embedding directly (hidden = the final-norm output that produces the logits, as
     models.features defines it) so the LM head runs only on the positions asked for. Models that post-process logits
     (softcapping, logit scales) go through the full forward instead. With `lean` a plain Llama model runs
-    models.lean's forward (transformers' numbers bit for bit, fewer calls) with its own cache.
+    models.lean's forward (transformers' numbers, bit for bit in float32; fewer calls) with its own cache.
     """
 
     def __init__(self, model, vocab_size: int, lean: bool = False):

@@ -423,8 +423,8 @@ FORWARDS = ("auto", "lean", "hf")
 
 
 def resolve_forwards(name: str, models: dict) -> dict:
-    """`pair.forward`: `auto` runs each plain Llama model through models.lean (the same numbers as transformers',
-    fewer calls) and any other through transformers; `hf` runs both through transformers; `lean` insists."""
+    """`pair.forward`: `auto` runs each plain Llama model through models.lean (transformers' numbers, bit for bit in
+    float32, fewer calls) and any other through transformers; `hf` runs both through transformers; `lean` insists."""
     if name not in FORWARDS:
         raise UserError(f"pair.forward must be one of {', '.join(FORWARDS)}, got '{name}'")
     out = {}
