@@ -72,7 +72,9 @@ def trace_folder(cfg: DictConfig, split: str) -> Path:
 def hash_payload(cfg: DictConfig) -> dict:
     """Everything that decides the rows (not batch size, device or sharding, which never change them)."""
     pair = OmegaConf.to_container(cfg.pair, resolve=True)
-    for key in ("device", "cache_dir", "linear"):  # linear: the manifest records what it resolved to (data_gen.run)
+    # linear: the manifest records what it resolved to (data_gen.run); forward: the decoder's model calls
+    # (models.lm.LM), which trace generation's teacher-forced passes through transformers' forward never make
+    for key in ("device", "cache_dir", "linear", "forward"):
         pair.pop(key, None)
     return {
         "format": FORMAT_VERSION,
