@@ -108,6 +108,18 @@ def test_sampler_and_fixed_threshold(tmp_path):
     assert res["threshold"] == 0.7 and load_head(res["ckpt_path"]).threshold == 0.7
 
 
+def test_rerun_into_the_same_run_dir_replaces_best_ckpt(tmp_path):
+    """README's main job writes runs/disco/checkpoints/best.ckpt; a second run there replaces it (Lightning would
+    otherwise write best-v1.ckpt and leave best.ckpt, the path every later command names, on the old head)."""
+    paths = []
+    for threshold in (0.3, 0.7):
+        cfg = cfg_for("threshold_mode=fixed", f"threshold={threshold}", "trainer.max_epochs=1")
+        paths.append(run(cfg, tmp_path, *splits())["ckpt_path"])
+    assert paths[0] == paths[1] and Path(paths[1]).name == "best.ckpt"
+    assert sorted(p.name for p in Path(paths[1]).parent.glob("*.ckpt")) == ["best.ckpt"]
+    assert load_head(paths[1]).threshold == 0.7
+
+
 def test_traces_from_another_pair_refused(tmp_path):
     traces, manifests = splits(pair_id="smollm2_135m")
     with pytest.raises(UserError, match="made with pair smollm2_135m but .*pair=tiny_random"):

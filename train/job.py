@@ -339,8 +339,11 @@ def fit_head(cfg: DictConfig, run_dir: Path, traces: dict, manifest: dict, spec,
         mean=dm.mean.tolist(), std=dm.std.tolist(),
     )
     ckpt_dir = run_dir / "checkpoints"
+    # no version counter: a rerun into the same run dir (README's hydra.run.dir=runs/disco) replaces best.ckpt
+    # instead of writing best-v1.ckpt beside it and leaving the path every command names on the old head
     checkpoint = ModelCheckpoint(dirpath=str(ckpt_dir), filename="best", monitor=cfg.monitor, mode="max",
-                                 save_top_k=1, save_last=False, auto_insert_metric_name=False)
+                                 save_top_k=1, save_last=False, auto_insert_metric_name=False,
+                                 enable_version_counter=False)
     stopper = EarlyStopping(monitor=cfg.monitor, mode="max", patience=int(cfg.early_stopping.patience),
                             min_delta=float(cfg.early_stopping.min_delta))
     trainer = L.Trainer(**OmegaConf.to_container(cfg.trainer, resolve=True), default_root_dir=str(run_dir),
