@@ -1,4 +1,4 @@
-"""A lean batch-1 forward for Llama-architecture models: the same numbers as transformers' forward, with fewer calls.
+"""A lean batch-1 forward for Llama-architecture models: transformers' numbers with fewer calls.
 
 **Why** (issue 15). At batch 1 a small model's step is mostly dispatch, not arithmetic: a draft step of the default
 pair (4 layers, int8 weights) spent ~1.4 of ~3.5 ms in its products, 0.5 ms in one-row bf16 attention, and the rest
@@ -8,8 +8,9 @@ states are transformers' *bit for bit* in float32 (tests/test_lean.py checks eve
 — but calls them directly: cos/sin read from a table instead of recomputed per step, keys and values written into a
 preallocated cache instead of concatenated, the causal mask built only when a call has several rows after a cache.
 One departure, in bf16 only: a one-row attention runs in the packed-heads form that avoids torch's slow grouped
-bf16 row (see `hidden`), which rounds some rows differently. `python -m decode.profile` on a 2-core AMD EPYC, bf16:
-draft step 3.47 → 2.13 ms, target step 31.9 → 24.8 ms (transformers' forward → this one).
+bf16 row (see `hidden`), which rounds some rows differently. Int8 layers' q/k/v and gate/up run as one stacked int8
+product each (the same bits). `python bench/lean_forward.py` on a 2-core AMD EPYC, bf16: draft step 4.25 → 2.65 ms,
+target step 34.2 → 27.9 ms (transformers' forward → this one; bench/results/lean_forward.md).
 
 It applies to models whose config says they are plain Llama blocks (`supports`); anything else keeps transformers'
 forward (`models.lm.LM` decides). The weights are the model's own modules (packed, int8 or reduced-vocabulary heads

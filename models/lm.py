@@ -51,7 +51,7 @@ class LM:
         ids = getattr(model.get_output_embeddings(), "ids", None)
         self.support = ids if isinstance(ids, torch.Tensor) else None
         self.device = next(model.parameters()).device
-        self.lean = LeanLlama(model) if lean and self.plain and supports(model) else None
+        self.lean = LeanLlama(model) if lean and self.plain and supports(model) else None  # ~1 ms to build
 
     @classmethod
     def of(cls, pair, role: str) -> "LM":
