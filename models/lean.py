@@ -9,8 +9,9 @@ states are transformers' *bit for bit* in float32 (tests/test_lean.py checks eve
 preallocated cache instead of concatenated, the causal mask built only when a call has several rows after a cache.
 One departure, in bf16 only: a one-row attention runs in the packed-heads form that avoids torch's slow grouped
 bf16 row (see `hidden`), which rounds some rows differently. Int8 layers' q/k/v and gate/up run as one stacked int8
-product each (the same bits). `python bench/lean_forward.py` on a 2-core AMD EPYC, bf16: draft step 4.25 → 2.65 ms,
-target step 34.2 → 27.9 ms (transformers' forward → this one; bench/results/lean_forward.md).
+product each, with q and k rotated as one tensor (the same bits). `python bench/lean_forward.py` on a 2-core AMD
+EPYC, bf16: draft step 4.67 → 2.73 ms, target step 34.2 → 27.1 ms (transformers' forward → this one;
+bench/results/lean_forward.md).
 
 It applies to models whose config says they are plain Llama blocks (`supports`); anything else keeps transformers'
 forward (`models.lm.LM` decides). The weights are the model's own modules (packed, int8 or reduced-vocabulary heads
@@ -92,12 +93,15 @@ class LeanLlama:
         self.layers = [
             (
                 layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
-                _stack(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj), layer.self_attn.o_proj,
+                (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj), layer.self_attn.o_proj,
+                _stacked(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
                 layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
-                _stack(layer.mlp.gate_proj, layer.mlp.up_proj), layer.mlp.down_proj,
+                (layer.mlp.gate_proj, layer.mlp.up_proj), layer.mlp.down_proj,
+                _stacked(layer.mlp.gate_proj, layer.mlp.up_proj),
             )
             for layer in base.layers
         ]
+        self.qk_width = (self.heads + self.kv_heads) * self.head_dim
         self.norm = (base.norm.weight, base.norm.variance_epsilon)
         self.inv_freq = base.rotary_emb.inv_freq
         self.dtype = self.embed.dtype
@@ -145,11 +149,19 @@ class LeanLlama:
                     <= torch.arange(start, end, device=self.device)[:, None])[None, None]
         groups = self.heads // self.kv_heads
         x = F.embedding(ids.view(1, n), self.embed)
-        for i, (w_in, eps_in, qkv, o_proj, w_post, eps_post, gate_up, down) in enumerate(self.layers):
+        d = self.head_dim
+        for i, (w_in, eps_in, qkv, o_proj, qkv_stacked, w_post, eps_post, gate_up, down, gate_up_stacked) in enumerate(
+                self.layers):
             residual = x
             h = self._rms(x, w_in, eps_in)
-            q, k, v = (y.view(1, n, -1, self.head_dim).transpose(1, 2) for y in qkv(h))
-            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+            if qkv_stacked is not None:  # one int8 product; q and k rotated as one tensor of their heads side by side
+                y = qkv_stacked(h)
+                qk = self._rotate(y[..., : self.qk_width].view(1, n, -1, d).transpose(1, 2), cos, sin)
+                q, k = qk[:, : self.heads], qk[:, self.heads :]
+                v = y[..., self.qk_width :].view(1, n, -1, d).transpose(1, 2)
+            else:
+                q, k, v = (proj(h).view(1, n, -1, d).transpose(1, 2) for proj in qkv)
+                q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
             kb, vb = cache.k[i], cache.v[i]
             kb[:, :, start:end] = k
             vb[:, :, start:end] = v
@@ -170,18 +182,19 @@ class LeanLlama:
             x = residual + o_proj(a)
             residual = x
             h = self._rms(x, w_post, eps_post)
-            gate, up = gate_up(h)
+            if gate_up_stacked is not None:
+                gate, up = gate_up_stacked(h).split(gate_up_stacked.out_features // 2, dim=-1)
+            else:
+                gate, up = (proj(h) for proj in gate_up)
             x = residual + down(F.silu(gate) * up)
         cache.len = end
         return self._rms(x, *self.norm)
 
 
-def _stack(*linears):
-    """A function h -> (linear(h) for each): for int8 layers one product over their stacked rows, split after (the
-    same numbers, since each output is its own row's product; one kernel call instead of two or three: the default
-    draft's step 2.43 → 2.33 ms), otherwise one call each."""
+def _stacked(*linears) -> Int8Linear | None:
+    """For int8 layers, one Int8Linear over their stacked rows (the same numbers, since each output is its own row's
+    product, in one kernel call instead of two or three: with q and k rotated together, the default draft's step
+    2.40 → 2.23 ms); None for any other kind, which keeps one call each."""
     if all(isinstance(m, Int8Linear) and m.bias is None for m in linears):
-        fused = Int8Linear.stacked(list(linears))
-        sizes = [m.out_features for m in linears]
-        return lambda h: fused(h).split(sizes, dim=-1)
-    return lambda h: tuple(m(h) for m in linears)
+        return Int8Linear.stacked(list(linears))
+    return None
