@@ -1,5 +1,5 @@
-"""models.lean: the lean Llama forward gives transformers' numbers bit for bit, so decoding through it is the same
-decoding; pair.forward resolves and refuses as documented."""
+"""models.lean: the lean Llama forward gives transformers' numbers bit for bit (bf16's packed one-row attention: to
+bf16 rounding), so decoding through it is the same decoding; pair.forward resolves and refuses as documented."""
 
 from __future__ import annotations
 
