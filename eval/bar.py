@@ -1,6 +1,6 @@
 """`python -m eval.bar`: issue 16's bar — do learned stop heads beat the best training-free policy? — as one JSON.
 
-    python -m eval.bar bar.replay=results/stop_heads/replay_mbpp bar.wall=results/stop_heads/wall_mbpp_v5 \
+    python -m eval.bar bar.replay=results/stop_heads/replay_mbpp bar.wall=results/stop_heads/wall_mbpp_v7 \
         bar.out=results/stop_heads/bar.json
 
 Reads an `eval.replay` folder (replay.json + prompts.jsonl: cost-model speedups on greedy traces, tuned on

@@ -66,14 +66,11 @@ class LM:
     def __call__(self, ids: list[int], cache, last: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Run `ids` after the cache; logits (last, V) and hidden (last, d) of the final `last` positions (0 = none)."""
         x = torch.tensor([ids], device=self.device)
-        if self.lean:
-            if last == 0:
-                self.lean.hidden(x[0], cache)
-                return None, None
-            h = self.lean.hidden(x[0], cache)[0, -last:]
-            return self.head(h)[..., : self.vocab], h
         if self.plain:
-            h = self.base(input_ids=x, **cache_kw(self.base, cache), use_cache=True).last_hidden_state[0]
+            if self.lean:
+                h = self.lean.hidden(x[0], cache)[0]
+            else:
+                h = self.base(input_ids=x, **cache_kw(self.base, cache), use_cache=True).last_hidden_state[0]
             if last == 0:
                 return None, None
             h = h[-last:]

@@ -382,8 +382,8 @@ def load_pair(cfg: DictConfig | str) -> Pair:
     quantize = cfg.draft.get("quantize")
     if quantize not in (None, "int8"):  # before any weights load
         raise UserError(f"draft.quantize must be int8 or null, got '{quantize}'")
-    if str(cfg.get("forward", "auto")) not in FORWARDS:
-        raise UserError(f"pair.forward must be one of {', '.join(FORWARDS)}, got '{cfg.get('forward')}'")
+    forward = str(cfg.get("forward", "auto"))
+    resolve_forwards(forward, {})  # the name, before any weights load
     device = resolve_device(str(cfg.get("device", "auto")))
     dtype = resolve_dtype(str(cfg.get("dtype", "float32")), device)
     target, tok = _build(cfg.target, "target", cfg, dtype)
@@ -402,7 +402,7 @@ def load_pair(cfg: DictConfig | str) -> Pair:
     if linear == "packed":
         pack_linears(target)
         pack_linears(draft)
-    forwards = resolve_forwards(str(cfg.get("forward", "auto")), {"draft": draft, "target": target})
+    forwards = resolve_forwards(forward, {"draft": draft, "target": target})
     return Pair(
         name=str(cfg.name),
         draft=draft,

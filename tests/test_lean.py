@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 from decode.loop import speculative
 from decode.policies import build_policy
-from models.lean import LeanLlama, supports
+from models.lean import LeanCache, LeanLlama, supports
 from models.lm import LM, cache_kw
 from models.pair import load_pair, resolve_forwards
 from utils.cli import UserError
@@ -22,6 +22,29 @@ CALLS = [list(range(3, 14)), [20], [21, 22], "crop 1", [23], [24, 25, 26, 27], "
          *[[40 + i] for i in range(12)], "crop 5", [60, 61, 62, 63, 64, 65, 66, 67, 68]]
 
 
+def compare_over_calls(model, lean: LeanLlama, vocab: int, exact: bool) -> LeanCache:
+    """Run CALLS through transformers' forward and the lean one side by side; every hidden state is the same bits
+    (`exact`) or equal to a few bf16 ulps of its scale. Returns the lean cache."""
+    ref, mine = LM(model, vocab).new_cache(), lean.new_cache(capacity=8)
+    with torch.inference_mode():
+        for call in CALLS:
+            if isinstance(call, str):
+                m = int(call.split()[1])
+                ref.crop(-m)
+                mine.crop(-m)
+                continue
+            x = torch.tensor([call])
+            want = model.model(input_ids=x, **cache_kw(model.model, ref), use_cache=True).last_hidden_state
+            got = lean.hidden(x[0], mine)
+            assert got.dtype == want.dtype
+            if exact:
+                assert torch.equal(got, want), call
+            else:
+                assert torch.allclose(got.float(), want.float(), rtol=0.05, atol=0.05 * float(want.abs().max())), call
+            assert mine.get_seq_length() == ref.get_seq_length()
+    return mine
+
+
 @pytest.mark.parametrize("dtype,pack", [(torch.float32, None), (torch.bfloat16, False), (torch.bfloat16, None)])
 def test_lean_forward_is_transformers_bit_for_bit(tiny_cfg, dtype, pack):
     """Bit for bit, except bf16's packed one-row attention (the default there): equal to bf16 rounding."""
@@ -31,25 +54,8 @@ def test_lean_forward_is_transformers_bit_for_bit(tiny_cfg, dtype, pack):
     assert exact == (dtype == torch.float32 or pack is False)
     for model in (pair.target, pair.draft):
         assert supports(model)
-        lean = LeanLlama(model, pack)
-        ref, mine = LM(model, pair.vocab_size).new_cache(), lean.new_cache(capacity=8)
-        with torch.inference_mode():
-            for call in CALLS:
-                if isinstance(call, str):
-                    m = int(call.split()[1])
-                    ref.crop(-m)
-                    mine.crop(-m)
-                    continue
-                x = torch.tensor([call])
-                want = model.model(input_ids=x, **cache_kw(model.model, ref), use_cache=True).last_hidden_state
-                got = lean.hidden(x[0], mine)
-                assert got.dtype == want.dtype
-                if exact:
-                    assert torch.equal(got, want), call
-                else:  # a few bf16 ulps of the hidden state's scale
-                    assert torch.allclose(got.float(), want.float(), rtol=0.05, atol=0.05 * float(want.abs().max())), call
-                assert mine.get_seq_length() == ref.get_seq_length()
-        assert mine.k[0].shape[2] >= 32  # the buffer grew
+        cache = compare_over_calls(model, LeanLlama(model, pack), pair.vocab_size, exact)
+        assert cache.k[0].shape[2] >= 32  # the buffer grew
 
 
 def test_int8_layers_fused_give_the_same_bits(tiny_cfg):
@@ -65,17 +71,7 @@ def test_int8_layers_fused_give_the_same_bits(tiny_cfg):
     parts = [model.model.layers[0].self_attn.q_proj, model.model.layers[0].self_attn.k_proj]
     x = torch.randn(3, parts[0].in_features, dtype=torch.bfloat16)
     assert torch.equal(Int8Linear.stacked(parts)(x), torch.cat([m(x) for m in parts], -1))
-    lean = LeanLlama(model, pack_one_row=False)
-    ref, mine = LM(model, pair.vocab_size).new_cache(), lean.new_cache(capacity=8)
-    with torch.inference_mode():
-        for call in CALLS:
-            if isinstance(call, str):
-                ref.crop(-int(call.split()[1]))
-                mine.crop(-int(call.split()[1]))
-                continue
-            x = torch.tensor([call])
-            want = model.model(input_ids=x, **cache_kw(model.model, ref), use_cache=True).last_hidden_state
-            assert torch.equal(lean.hidden(x[0], mine), want), call
+    compare_over_calls(model, LeanLlama(model, pack_one_row=False), pair.vocab_size, exact=True)
 
 
 def test_decoding_through_lean_is_decoding_through_transformers(tiny_cfg):

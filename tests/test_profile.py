@@ -310,7 +310,6 @@ def test_subset_errors_are_one_line(tiny_cfg, tmp_path):
 def int8_pair(tiny_pair):
     """The tiny pair with a draft that owns its (copied) weights, every Linear an Int8Linear (the kernel runs in
     float32 too, only slowly)."""
-    import copy
     import dataclasses
 
     from models.lm_head import quantize_linears
