@@ -167,11 +167,17 @@ def generate(cfg: DictConfig, split: str, pair=None) -> Path:
     manifest = store.read_manifest(folder)
     if manifest is not None and manifest.get("config_hash") != chash and not s.overwrite:
         raise _other_config(folder, manifest, chash)
-    if _reusable(folder, manifest, chash):
+    phash = store.prompts_hash(prompts)
+    if manifest is not None and manifest.get("prompts_hash", phash) != phash and not s.overwrite:
+        # folders from before the field have none: they are taken as made from today's files
+        raise UserError(f"traces at {folder} were made from other {cfg.dataset.name} prompts than data/ holds now "
+                        f"(prompts hash {manifest['prompts_hash']} != {phash}); rerun with overwrite=true to regenerate")
+    same = manifest is not None and manifest.get("config_hash") == chash and manifest.get("prompts_hash", phash) == phash
+    if same and _reusable(folder, manifest):
         print(f"reusing complete {_summary_line(folder, manifest)}", flush=True)
         return folder
     store.check_writable(folder.parent)
-    resuming = manifest is not None and manifest.get("config_hash") == chash
+    resuming = same
     # a corrupt shard is named before the (slow) model load and before any write
     shards = store.existing_shards(folder, full=True) if resuming else {}
     if pair is None:
@@ -189,7 +195,7 @@ def generate(cfg: DictConfig, split: str, pair=None) -> Path:
     if resuming:
         _check_resumable(plan, manifest, pair)
     else:
-        manifest, shards = _start_folder(cfg, split, pair, s, plan, items, note)
+        manifest, shards = _start_folder(cfg, split, pair, s, plan, items, note, phash)
     mine = [g for g in range(plan.n_shards) if g % s.num_shards == s.shard_id]
     todo = [g for g in mine if g not in shards]
     if todo and len(todo) < len(mine):
@@ -228,10 +234,10 @@ def _other_config(folder: Path, manifest: dict, chash: str) -> UserError:
     )
 
 
-def _reusable(folder: Path, manifest: dict | None, chash: str) -> bool:
-    """A complete folder of this config whose shards are all there (sizes only; anything off falls through to the
-    resume path's full check)."""
-    if manifest is None or manifest.get("config_hash") != chash or not manifest.get("complete"):
+def _reusable(folder: Path, manifest: dict) -> bool:
+    """A complete folder (of this config and prompts: the caller checks) whose shards are all there (sizes only;
+    anything off falls through to the resume path's full check)."""
+    if not manifest.get("complete"):
         return False
     try:
         return not store.missing_shards(manifest, store.existing_shards(folder, full=False))
@@ -272,7 +278,7 @@ def _new_manifest(cfg: DictConfig, split: str, pair, s: Settings, plan: Plan, it
 
 
 def _start_folder(cfg: DictConfig, split: str, pair, s: Settings, plan: Plan, items: list,
-                  note: str | None) -> tuple[dict, dict]:
+                  note: str | None, phash: str) -> tuple[dict, dict]:
     """Create the folder and its manifest (`overwrite=true` clears an old one); returns (manifest, shards present).
     Of several shard jobs started together exactly one writes the manifest; the others adopt and check the winner's."""
     folder = plan.folder
@@ -286,6 +292,7 @@ def _start_folder(cfg: DictConfig, split: str, pair, s: Settings, plan: Plan, it
             raise UserError(f"{folder} exists without a valid manifest; remove it or rerun with overwrite=true")
     folder.mkdir(parents=True, exist_ok=True)
     manifest = _new_manifest(cfg, split, pair, s, plan, items, note)
+    manifest["prompts_hash"] = phash
     created = store.create_manifest(folder, manifest)
     if created is manifest:
         return manifest, {}

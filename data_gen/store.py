@@ -88,6 +88,13 @@ def hash_payload(cfg: DictConfig) -> dict:
     }
 
 
+def prompts_hash(prompts) -> str:
+    """The prompt set's content (ids and texts): the config hash names the data set, not the data files' bytes, so a
+    folder records this too and is not reused once the files under data/ change."""
+    blob = json.dumps([[p.prompt_id, p.text] for p in prompts], ensure_ascii=False)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
 def config_hash(cfg: DictConfig) -> str:
     blob = json.dumps(hash_payload(cfg), sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]

@@ -375,6 +375,32 @@ def reduce_draft_vocab(draft, tokenizer, src: DictConfig, vocab: int):
     return draft
 
 
+def load_tokenizer(cfg: DictConfig):
+    """The pair's tokenizer without its weights (the target's: the pair refuses a draft whose tokenizer differs), for
+    stages that only read token ids, e.g. `train`'s `text` feature group."""
+    src = cfg.target
+    kind = src.get("source")
+    if kind == "tiny_random":
+        from models.tiny import tiny_tokenizer
+
+        tok = tiny_tokenizer()
+    elif kind in ("hf", "gguf"):
+        from transformers import AutoTokenizer
+
+        path = str(src.path) if kind == "hf" else str(_gguf_to_cache(src, cache_root(cfg)))
+        try:
+            tok = AutoTokenizer.from_pretrained(path, revision=src.get("revision") if kind == "hf" else None)
+        except OSError as err:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise UserError(f"cannot load the tokenizer of '{path}' ({first}); give a local directory saved with "
+                            "save_pretrained, or a hub id on a machine with hub access") from None
+    else:
+        raise UserError(f"target.source='{kind}' is not one of: hf, gguf, tiny_random")
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
 def load_pair(cfg: DictConfig | str) -> Pair:
     """Load the pair a config (or a `conf/pair` name) describes; refuse one whose tokenizers differ."""
     if isinstance(cfg, str):

@@ -130,6 +130,27 @@ def test_changed_config_is_refused_unless_overwrite(tmp_path, tiny_pair):
     assert manifest["config"]["pair"]["target"]["initializer_range"] == 0.3
 
 
+def test_edited_prompt_files_are_refused_unless_overwrite(tmp_path, tiny_pair, monkeypatch):
+    """The config hash names the data set; the manifest's prompts hash catches edited data files."""
+    import dataclasses
+
+    import data_gen.run as run
+
+    folder = generate(make_cfg(tmp_path, "limit=2"), "train", tiny_pair)
+    real = run.load_prompts
+
+    def edited(*args, **kwargs):
+        prompts = real(*args, **kwargs)
+        return [dataclasses.replace(prompts[0], text=prompts[0].text + " edited"), *prompts[1:]]
+
+    monkeypatch.setattr(run, "load_prompts", edited)
+    with pytest.raises(UserError, match="other mbpp prompts than data/ holds now"):
+        generate(make_cfg(tmp_path, "limit=2"), "train", tiny_pair)
+    before = load_traces(folder)[1]["prompts_hash"]
+    generate(make_cfg(tmp_path, "limit=2", "overwrite=true"), "train", tiny_pair)
+    assert load_traces(folder)[1]["prompts_hash"] != before
+
+
 def test_resume_refuses_traces_started_in_another_dtype(tmp_path, tiny_pair):
     """pair.dtype=auto can resolve differently on another machine: a folder started in bf16 is not continued in fp32."""
     import json

@@ -9,7 +9,7 @@ import torch
 from omegaconf import OmegaConf
 
 from models.lm import cache_kw
-from models.pair import check_same_tokenizer, layer_subset, load_pair, tokenizer_hash
+from models.pair import check_same_tokenizer, layer_subset, load_pair, load_tokenizer, tokenizer_hash
 from models.tiny import tiny_tokenizer
 from utils.cli import UserError
 
@@ -55,6 +55,10 @@ def test_hf_local_directory_roundtrip(tiny_pair, tmp_path):
     )
     pair = load_pair(cfg)
     assert pair.tokenizer_hash == tiny_pair.tokenizer_hash
+    # the weight-free tokenizer load (train's text group) reads the same tokenizer
+    assert tokenizer_hash(load_tokenizer(cfg)) == tiny_pair.tokenizer_hash
+    with pytest.raises(UserError, match="cannot load the tokenizer"):
+        load_tokenizer(OmegaConf.create({"target": {"source": "hf", "path": str(tmp_path / "missing")}}))
     ids = torch.tensor([pair.tokenizer.encode("abc")])
     with torch.no_grad():
         torch.testing.assert_close(pair.target(ids).logits, tiny_pair.target(ids).logits)

@@ -142,9 +142,9 @@ def check_manifests(cfg: DictConfig, manifests: dict) -> dict:
 def text_classes(cfg: DictConfig, manifest: dict) -> str:
     """The `text` group's token classes of the traces' tokenizer (the pair's, checked by hash), packed for the spec."""
     from models.features import pack_classes, token_classes
-    from models.pair import load_pair, tokenizer_hash
+    from models.pair import load_tokenizer, tokenizer_hash
 
-    tok = load_pair(cfg.pair).tokenizer
+    tok = load_tokenizer(cfg.pair)
     if tokenizer_hash(tok) != str(manifest.get("tokenizer_hash")):
         raise UserError(f"pair {cfg.pair.name}'s tokenizer is not the one these traces were made with; use their pair")
     return pack_classes(token_classes(tok))
