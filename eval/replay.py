@@ -28,6 +28,7 @@ grid); `replay.compare=DECODE_OUT_DIR` (a decode run on the eval traces' prompts
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -335,9 +336,29 @@ def constant_profile(cost_ratio: float) -> CostProfile:
 
 
 def cost_profile(cfg_replay) -> tuple[CostProfile, str]:
-    """The cost profile to replay under: `replay.c` (a constant c, for what-if runs), else `replay.c_from` — a
-    decode run's run.json (its `cost_profile`; an older run.json without one falls back to its measured_c) or a
-    profile file from `python -m decode.profile out=F`."""
+    """The cost profile to replay under (`_read_profile`), its draft times scaled by `replay.draft_scale`."""
+    profile, source = _read_profile(cfg_replay)
+    scale = cfg_replay.get("draft_scale")
+    if scale is None or float(scale) == 1.0:
+        return profile, source
+    if float(scale) <= 0:
+        raise UserError(f"replay.draft_scale must be > 0 (1: as measured), got {scale}")
+    return scaled_draft(profile, float(scale)), f"{source}, draft times x{float(scale):g} (replay.draft_scale)"
+
+
+def scaled_draft(profile: CostProfile, scale: float) -> CostProfile:
+    """A what-if profile: every draft time (warm step, a round's first step, prefill) `scale` times the measured one,
+    the target's curve as measured — what the same stop decisions would be worth with a costlier or cheaper draft."""
+    return dataclasses.replace(
+        profile, key={**profile.key, "draft_scale": scale}, draft_ms=[t * scale for t in profile.draft_ms],
+        prefill_draft_ms=[t * scale for t in profile.prefill_draft_ms],
+        draft_cold_ms=None if profile.draft_cold_ms is None else profile.draft_cold_ms * scale)
+
+
+def _read_profile(cfg_replay) -> tuple[CostProfile, str]:
+    """`replay.c` (a constant c, for what-if runs), else `replay.c_from` — a decode run's run.json (its
+    `cost_profile`; an older run.json without one falls back to its measured_c) or a profile file from
+    `python -m decode.profile out=F`."""
     if cfg_replay.get("c") is not None:
         return constant_profile(float(cfg_replay.c)), f"constant c = {float(cfg_replay.c):.3f} (replay.c)"
     src = cfg_replay.get("c_from")

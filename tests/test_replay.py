@@ -122,6 +122,14 @@ def test_replay_table_synthetic_heads_and_bad_input(traces, tmp_path):
     assert prof["settings"]["c_from"].startswith("cost profile of")
     assert prof["settings"]["cost_profile"]["target_ms"] == json.loads(
         (tmp_path / "dec" / "run.json").read_text())["cost_profile"]["target_ms"]
+    # draft_scale: the same profile with a costlier draft; the target's curve untouched, the draft steps doubled
+    dbl = run(cfg_of("replay", *base, "replay.c=null", f"replay.c_from={tmp_path / 'dec' / 'run.json'}",
+                     "replay.draft_scale=2", "replay.synthetic_auroc=[]", f"replay.out_dir={tmp_path / 'r4'}"))
+    assert dbl["settings"]["c"] == pytest.approx(2 * prof["settings"]["c"])
+    assert dbl["settings"]["cost_profile"]["target_ms"] == prof["settings"]["cost_profile"]["target_ms"]
+    assert dbl["eval"]["oracle"]["cost_model_speedup"] < prof["eval"]["oracle"]["cost_model_speedup"]
+    with pytest.raises(UserError, match="draft_scale must be > 0"):
+        run(cfg_of("replay", *base, "replay.draft_scale=0", f"replay.out_dir={tmp_path / 'x'}"))
 
     with pytest.raises(UserError, match="no summary.json"):
         run(cfg_of("replay", *base, f"replay.compare={tmp_path / 'nowhere'}", f"replay.out_dir={tmp_path / 'x'}"))

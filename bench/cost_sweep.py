@@ -1,0 +1,116 @@
+"""What a stop head's lead over the best training-free rule depends on: the cost of a draft step (issue 16).
+
+    python bench/cost_sweep.py [--scales 0.5 1 1.5 2 3 4] [--profile results/stop_heads/profile.json]
+                               [--out results/stop_heads]
+
+Replays results/stop_heads' study (conf/experiment/study/stop_heads.yaml: every policy and head tuned on MBPP
+validation, replayed on the 500 test prompts) under the measured cost profile with every draft time multiplied by
+each scale (`replay.draft_scale`: the target's verification curve stays as measured). Same traces, heads and grids
+each time, so what changes is only what a drafted token costs, i.e. what a wrong stop decision costs. Per scale:
+c, the best learned and best training-free speedups, their ratio and the share of the static-K-opt → oracle gap the
+best learned method closes, with eval.bar's paired bootstrap intervals. Writes cost_sweep.json / .md / .png under
+--out; each replay's own folder goes under --work (default: a temporary directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from eval.bar import replay_bar  # noqa: E402
+from utils.cli import UserError, fail  # noqa: E402
+from utils.files import write_result  # noqa: E402
+
+TRACES = "traces/smollm2_135m--mbpp--target_ar-t0-p1-n128-s0--"
+
+
+def replay(scale: float, profile: str, out: Path) -> None:
+    cmd = [sys.executable, "-m", "eval.replay", "+experiment=study/stop_heads", f"replay.tune={TRACES}validation",
+           f"replay.eval={TRACES}test-lim500", f"replay.c_from={profile}", f"replay.draft_scale={scale}",
+           "replay.synthetic_auroc=[]", f"replay.out_dir={out}"]
+    print(f"draft_scale {scale:g}: {' '.join(cmd[1:])}", flush=True)
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    if done.returncode != 0:
+        tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise UserError(f"the replay at draft_scale={scale:g} failed: {tail}")
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    c = [r["c"] for r in rows]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.4))
+    a1.plot(c, [r["ratio"] for r in rows], "o-", label="best learned ÷ best training-free")
+    a1.fill_between(c, [r["ratio_ci"][0] for r in rows], [r["ratio_ci"][1] for r in rows], alpha=0.2)
+    a1.axhline(1.05, ls="--", c="gray", lw=0.8, label="bar 1.05")
+    a1.set_xlabel("c = draft step ÷ target step")
+    a1.set_ylabel("replayed speedup ratio")
+    a1.legend(fontsize=7)
+    a2.plot(c, [r["gap_closed"] for r in rows], "o-", c="C1", label="gap closed (static K-opt → oracle)")
+    a2.fill_between(c, [r["gap_closed_ci"][0] for r in rows], [r["gap_closed_ci"][1] for r in rows], alpha=0.2,
+                    color="C1")
+    a2.axhline(0.5, ls="--", c="gray", lw=0.8, label="bar 0.5")
+    a2.set_xlabel("c = draft step ÷ target step")
+    a2.legend(fontsize=7)
+    fig.suptitle("Stop head's lead vs the cost of a draft step (500 MBPP test prompts, cost-model replay)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--scales", type=float, nargs="+", default=[0.5, 1.0, 1.5, 2.0, 3.0, 4.0])
+    ap.add_argument("--profile", default="results/stop_heads/profile.json")
+    ap.add_argument("--out", default="results/stop_heads")
+    ap.add_argument("--work", default=None, help="folder for the per-scale replay folders (default: a temporary one)")
+    ap.add_argument("--n-resamples", type=int, default=2000)
+    args = ap.parse_args()
+    if not (REPO / args.profile).is_file():
+        raise UserError(f"no cost profile at {args.profile}; make one with python -m decode.profile out={args.profile}")
+    if any(s <= 0 for s in args.scales):
+        raise UserError(f"--scales must all be > 0, got {args.scales}")
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="cost_sweep-"))
+    rows = []
+    for scale in sorted(args.scales):
+        folder = work / f"scale{scale:g}"
+        replay(scale, args.profile, folder)
+        bar = replay_bar(folder, args.n_resamples)
+        r, sp = bar["replay"], bar["replay"]["speedup"]
+        rows.append({"draft_scale": scale, "c": bar["replay_settings"]["c"], "best_learned": r["best_learned"],
+                     "best_training_free": r["best_training_free"], "learned": sp[r["best_learned"]],
+                     "training_free": sp[r["best_training_free"]], "static_opt": sp.get("static_opt"),
+                     "oracle": sp.get("oracle"), "ratio": r["ratio"], "ratio_ci": r["ratio_ci"],
+                     "gap_closed": r["gap_closed"], "gap_closed_ci": r["gap_closed_ci"]})
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    plot(rows, out / "cost_sweep.png")
+    lines = [f"The stop head's lead vs the cost of a draft step (`python bench/cost_sweep.py`, "
+             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}): results/stop_heads' replay (tuned on MBPP "
+             f"validation, 500 test prompts) under `{args.profile}` with its draft times scaled "
+             "(`replay.draft_scale`; scale 1 is the study itself). 95% paired bootstrap intervals over prompts.", "",
+             "| draft scale | c | best learned | best training-free | static K-opt | oracle | ratio [95% CI] "
+             "| gap closed [95% CI] |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['draft_scale']:g} | {r['c']:.3f} | {r['learned']:.3f} ({r['best_learned']}) | "
+                     f"{r['training_free']:.3f} ({r['best_training_free']}) | {r['static_opt']:.3f} | "
+                     f"{r['oracle']:.3f} | {r['ratio']:.3f} [{r['ratio_ci'][0]:.3f}, {r['ratio_ci'][1]:.3f}] | "
+                     f"{r['gap_closed']:.2f} [{r['gap_closed_ci'][0]:.2f}, {r['gap_closed_ci'][1]:.2f}] |")
+    write_result(out, "cost_sweep", {"profile": args.profile, "rows": rows}, lines)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except UserError as err:
+        fail(err)
