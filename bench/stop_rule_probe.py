@@ -14,7 +14,9 @@ the 500 test prompts, cost model under results/stop_heads/profile.json):
 - the current-token probe with two feature groups the head lacks: token classes of the drafted and previous token
   (leading space, newline, digit, alpha, punctuation, length) and the line position (tokens since the last newline,
   position in the continuation, prompt length);
-- the rule's renewal-reward form (`RateThreshold`): a long-run rate λ tuned on validation in place of the round's E/T.
+- the rule's renewal-reward form (`RateThreshold`): a long-run rate λ tuned on validation in place of the round's E/T;
+- how good a guess of a_{k+1} the bar would need: synthetic next-token guesses of known AUROC (binormal scores on
+  the next row's true outcome, turned into their exact posterior probability, so perfectly calibrated).
 Writes stop_rule_probe.json / .md under --out. argparse, not Hydra: a fixed measurement on fixed trace folders, with
 only its output folder and profile file to choose.
 """
@@ -25,6 +27,7 @@ import argparse
 import json
 import math
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -135,6 +138,20 @@ class RateThreshold(RowScores):
 LAMBDAS = [round(0.6 + 0.1 * i, 1) for i in range(25)]  # 0.6 .. 3.0 tokens per target step
 
 
+NEXT_AUROCS = [0.75, 0.8, 0.85, 0.9, 0.95]
+
+
+def synthetic_next(y_next: np.ndarray, auroc: float, base_rate: float, seed: int) -> np.ndarray:
+    """Calibrated P(next accepted) of a given AUROC: scores N(μ·y, 1), μ = √2·Φ⁻¹(AUROC) as eval.replay's synthetic
+    heads, mapped through their posterior logit μ·s − μ²/2 + logit(base rate)."""
+    from scipy.special import expit, logit
+    from scipy.stats import norm
+
+    mu = math.sqrt(2.0) * norm.ppf(auroc)
+    s = mu * y_next + np.random.default_rng(seed).standard_normal(len(y_next))
+    return expit(mu * s - mu * mu / 2 + logit(base_rate))
+
+
 def per_cont(data, values):
     out, i = [], 0
     for c in data["conts"]:
@@ -183,6 +200,7 @@ def main() -> None:
          for n, d in (("val", va), ("test", te))}
     ask = te["has_next"] & (te["y"] == 1)
     result = {
+        "command": "python bench/stop_rule_probe.py", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "traces": f"{TRACES.relative_to(REPO)}{{train,validation,test-lim500}}",
         "profile": str(Path(args.profile).resolve().relative_to(REPO)) if Path(args.profile).resolve().is_relative_to(REPO)
         else args.profile, "test_rows": int(len(te["y"])),
@@ -195,10 +213,17 @@ def main() -> None:
     variants = {"a_next = a_k (the rule today)": ("cur", None), "a_next = next head": ("cur", "next"),
                 "a_next = the next token's outcome (bound)": ("cur", "truth"),
                 "a_k from the probe + token classes + line position": ("rich", None)}
+    base = float(tr["next"][rows].mean())  # P(next accepted | current accepted) on the training rows
+    for i, a in enumerate(NEXT_AUROCS):
+        label = f"a_next = a calibrated synthetic guess of AUROC {a:g}"
+        variants[label] = ("cur", label)
+        for j, (n, d) in enumerate((("val", va), ("test", te))):
+            p[n][label] = synthetic_next(d["next"], a, base, seed=2 * i + j)
     for label, (c, n) in variants.items():
         sv = (p["val"][c], None if n is None else p["val"][n])
         st = (p["test"][c], None if n is None else p["test"][n])
         result["replay"][label] = tuned_speed(va, te, sv, st, profile)
+        print(f"{label}: {result['replay'][label]['speedup']:.3f}", flush=True)
     lam = max(LAMBDAS, key=lambda x: rate_speed(va, p["val"]["cur"], profile, x))
     result["replay"]["renewal-reward threshold (λ tuned on validation), a_next = a_k"] = {
         "lambda": lam, "speedup": rate_speed(te, p["test"]["cur"], profile, lam)}
