@@ -108,6 +108,16 @@ def test_sampler_and_fixed_threshold(tmp_path):
     assert res["threshold"] == 0.7 and load_head(res["ckpt_path"]).threshold == 0.7
 
 
+def test_reject_weight_sets_the_loss_weight(tmp_path):
+    """data.reject_weight=r weighs rejected rows r times accepted ones (BCE pos_weight 1/r), stored in the head's
+    hyperparameters; with the class-balanced sampler it is refused before any training."""
+    res = run(cfg_for("data.reject_weight=6", "trainer=fast_dev_run"), tmp_path / "a", *splits())
+    hp = torch.load(res["ckpt_path"], map_location="cpu", weights_only=False)["hyper_parameters"]
+    assert hp["pos_weight"] == pytest.approx(1 / 6)
+    with pytest.raises(UserError, match="reject_weight"):
+        run(cfg_for("data.reject_weight=6", "data.imbalance=sampler", "trainer=fast_dev_run"), tmp_path / "b", *splits())
+
+
 def test_rerun_into_the_same_run_dir_replaces_best_ckpt(tmp_path):
     """README's main job writes runs/disco/checkpoints/best.ckpt; a second run there replaces it (Lightning would
     otherwise write best-v1.ckpt and leave best.ckpt, the path every later command names, on the old head)."""

@@ -30,7 +30,8 @@ class TraceDataModule(L.LightningDataModule):
     """Feature/label tensors per split from loaded traces (`{split: datasets.Dataset}`).
 
     imbalance: `pos_weight` (BCE weight n_neg/n_pos on positives, from train), `sampler` (class-balanced sampling
-    of train rows) or `none`. Normalisation (mean/std of the train features) is exposed as `mean`/`std` for the head.
+    of train rows) or `none`; `reject_weight` r (SpecDec++ uses 6) instead weights rejected rows r times accepted ones
+    (BCE pos_weight 1/r), whatever the class balance. Normalisation (mean/std of the train features) is exposed as `mean`/`std` for the head.
     """
 
     def __init__(
@@ -43,10 +44,15 @@ class TraceDataModule(L.LightningDataModule):
         imbalance: str = "pos_weight",
         normalize: bool = True,
         seed: int = 0,
+        reject_weight: float | None = None,
     ):
         super().__init__()
         if imbalance not in ("pos_weight", "sampler", "none"):
             raise UserError(f"data.imbalance='{imbalance}' is not one of: pos_weight, sampler, none")
+        if reject_weight is not None and (float(reject_weight) <= 0 or imbalance == "sampler"):
+            raise UserError(f"data.reject_weight={reject_weight}: give a weight > 0, and not with data.imbalance=sampler "
+                            "(both reweight the classes)")
+        self.reject_weight = None if reject_weight is None else float(reject_weight)
         self.traces = traces
         self.labels_cfg = labels_cfg
         self.spec = spec
@@ -104,6 +110,8 @@ class TraceDataModule(L.LightningDataModule):
         y = self.data["train"]["y"]
         pos, n = float(y.sum()), float(len(y))
         self.pos_weight = (n - pos) / pos if pos > 0 and self.imbalance == "pos_weight" else 1.0
+        if self.reject_weight is not None:
+            self.pos_weight = 1.0 / self.reject_weight
         for split in SPLITS:
             yy = self.data[split]["y"]
             log.info("%s: %d rows, %.1f%% positive (labels >= 0.5)", split, len(yy), 100 * float((yy >= 0.5).float().mean()))

@@ -327,7 +327,7 @@ def fit_head(cfg: DictConfig, run_dir: Path, traces: dict, manifest: dict, spec,
     data = cfg.data
     dm = TraceDataModule(
         traces, cfg.labels, spec, batch_size=data.batch_size, num_workers=data.num_workers,
-        imbalance=data.imbalance, normalize=data.normalize, seed=int(cfg.seed),
+        imbalance=data.imbalance, normalize=data.normalize, seed=int(cfg.seed), reject_weight=data.get("reject_weight"),
     )
     dm.setup("fit")
     module = StopHeadModule(

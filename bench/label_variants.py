@@ -1,0 +1,96 @@
+"""Labels and loss weights for the disco_plus head (issue 16, item 3): do SpecDec++'s choices buy speed here?
+
+    python bench/label_variants.py [--out results/stop_heads] [--work DIR]
+
+Trains the disco_plus head of results/stop_heads (`+experiment=disco_plus_mbpp split_limits.test=500`, MBPP
+511-570, calibrated on 571-600) once per variant — greedy-match labels (the shipped head), SpecDec++'s soft
+min(1, p/q) labels, soft Σmin(p, q), rejected rows weighted 6×, soft labels with that weight, and the full SpecDec++
+recipe (soft labels, weight 6, rows weighted by their soft reachability Π min(1, p/q) of the round's earlier rows) —
+then replays them all beside the expected-value rule on max q in one `python -m eval.replay` run (study grid, tuned on
+validation, 500 test prompts, the study's cost profile). Every score AUROC there is against greedy acceptance, so the
+soft-label heads are compared on the decoder's own event. Writes label_variants.json / .md under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from utils.cli import UserError, fail  # noqa: E402
+from utils.files import write_result  # noqa: E402
+
+TRACES = "traces/smollm2_135m--mbpp--target_ar-t0-p1-n128-s0--"
+VARIANTS = {
+    "greedy_match": [],
+    "accept_prob": ["labels=accept_prob"],
+    "sum_min": ["labels=sum_min"],
+    "greedy_match_rw6": ["data.reject_weight=6"],
+    "accept_prob_rw6": ["labels=accept_prob", "data.reject_weight=6"],
+    "specdecpp_recipe": ["labels=accept_prob", "data.reject_weight=6", "labels.reach=soft", "labels.reach_weight=0"],
+}
+
+
+def sh(cmd: list[str], what: str) -> None:
+    print(" ".join(cmd[1:]), flush=True)
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    if done.returncode != 0:
+        tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise UserError(f"{what} failed: {tail}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="results/stop_heads")
+    ap.add_argument("--profile", default="results/stop_heads/profile.json")
+    ap.add_argument("--work", default=None, help="folder for the runs and the replay (default: a temporary one)")
+    args = ap.parse_args()
+    if not (REPO / args.profile).is_file():
+        raise UserError(f"no cost profile at {args.profile}; make one with python -m decode.profile out={args.profile}")
+    work = Path(args.work or tempfile.mkdtemp(prefix="label_variants-")).resolve()
+    heads = {}
+    for name, overrides in VARIANTS.items():
+        run_dir = work / name
+        sh([sys.executable, "-m", "train", "+experiment=disco_plus_mbpp", "split_limits.test=500", "logger=csv",
+            f"experiment_name=disco_plus_{name}", f"hydra.run.dir={run_dir}", *overrides], f"training {name}")
+        heads[name] = work / f"disco_plus_{name}.ckpt"  # the replay names a head by its file's stem
+        shutil.copyfile(run_dir / "checkpoints" / "best.ckpt", heads[name])
+    policies = ",".join(["static_opt", "expected_value", "oracle", *(f"learned:{p}" for p in heads.values())])
+    sh([sys.executable, "-m", "eval.replay", "+experiment=study/stop_heads", f"replay.tune={TRACES}validation",
+        f"replay.eval={TRACES}test-lim500", f"replay.c_from={args.profile}", "replay.synthetic_auroc=[]",
+        f"replay.out_dir={work / 'replay'}", f"policies=[{policies}]"], "the replay")
+    table = json.loads((work / "replay" / "replay.json").read_text())["eval"]
+    free = table["expected_value"]["cost_model_speedup"]
+    rows = {}
+    for name in VARIANTS:
+        r = table[f"learned:disco_plus_{name}"]
+        rows[name] = {"overrides": VARIANTS[name], "auroc_greedy": r.get("score_auroc"),
+                      "speedup": r["cost_model_speedup"], "ratio": r["cost_model_speedup"] / free}
+    result = {"command": "python bench/label_variants.py", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "profile": args.profile, "expected_value": free, "static_opt": table["static_opt"]["cost_model_speedup"],
+              "oracle": table["oracle"]["cost_model_speedup"], "variants": rows}
+    lines = [f"Labels and loss weights for the disco_plus head (`{result['command']}`, {result['date']}): each variant "
+             "trained as results/stop_heads' head, then all replayed in one run (study grid, tuned on MBPP validation, "
+             f"500 test prompts, `{args.profile}`). Expected value on max q {free:.3f}, static K-opt "
+             f"{result['static_opt']:.3f}, oracle {result['oracle']:.3f}.", "",
+             "| variant | overrides | test AUROC (greedy acceptance) | cost-model speedup | ÷ expected value on max q |",
+             "|---|---|---|---|---|"]
+    for name, r in rows.items():
+        lines.append(f"| {name} | {' '.join(r['overrides']) or '(the shipped head)'} | {r['auroc_greedy']:.3f} | "
+                     f"{r['speedup']:.3f} | {r['ratio']:.3f} |")
+    write_result(Path(args.out), "label_variants", result, lines)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except UserError as err:
+        fail(err)
