@@ -168,11 +168,12 @@ def generate(cfg: DictConfig, split: str, pair=None) -> Path:
     if manifest is not None and manifest.get("config_hash") != chash and not s.overwrite:
         raise _other_config(folder, manifest, chash)
     phash = store.prompts_hash(prompts)
-    if manifest is not None and manifest.get("prompts_hash", phash) != phash and not s.overwrite:
-        # folders from before the field have none: they are taken as made from today's files
+    # folders from before the field have none: they are taken as made from today's files
+    same_prompts = manifest is None or manifest.get("prompts_hash", phash) == phash
+    if not same_prompts and not s.overwrite:
         raise UserError(f"traces at {folder} were made from other {cfg.dataset.name} prompts than data/ holds now "
                         f"(prompts hash {manifest['prompts_hash']} != {phash}); rerun with overwrite=true to regenerate")
-    same = manifest is not None and manifest.get("config_hash") == chash and manifest.get("prompts_hash", phash) == phash
+    same = manifest is not None and manifest.get("config_hash") == chash and same_prompts
     if same and _reusable(folder, manifest):
         print(f"reusing complete {_summary_line(folder, manifest)}", flush=True)
         return folder

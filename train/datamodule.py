@@ -31,7 +31,8 @@ class TraceDataModule(L.LightningDataModule):
 
     imbalance: `pos_weight` (BCE weight n_neg/n_pos on positives, from train), `sampler` (class-balanced sampling
     of train rows) or `none`; `reject_weight` r (SpecDec++ uses 6) instead weights rejected rows r times accepted ones
-    (BCE pos_weight 1/r), whatever the class balance. Normalisation (mean/std of the train features) is exposed as `mean`/`std` for the head.
+    (BCE pos_weight 1/r), whatever the class balance. Normalisation (mean/std of the train features) is exposed as
+    `mean`/`std` for the head.
     """
 
     def __init__(
