@@ -81,6 +81,11 @@ class PackedLinear(torch.nn.Module):
         bias = None if self.bias is None else self.bias.detach()
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [None], "")
 
+    def __getstate__(self):
+        # oneDNN's packed copy is an opaque tensor that deepcopy and pickle cannot read (train.distill copies packed
+        # target layers into its student); a copy repacks on its first call
+        return {**self.__dict__, "_packed": None, "_version": None}
+
 
 MIN_PACKED = 1 << 17  # weights smaller than this lose to F.linear: oneDNN's ~15 us fixed cost per call
 

@@ -172,6 +172,11 @@ def test_packed_linear_follows_weight_updates_and_trains():
         torch.testing.assert_close(packed(x), 2 * before, rtol=1e-5, atol=1e-4)
     packed(x).sum().backward()
     assert lin.weight.grad is not None and lin.weight.grad.shape == (300, 64)
+    # after use it holds oneDNN's opaque packed copy; deepcopy (train.distill's student layers) still works
+    with torch.no_grad():
+        used = packed(x)
+        twin = copy.deepcopy(packed)
+        assert twin.weight is not packed.weight and torch.equal(twin(x), used)
 
 
 @needs_onednn
