@@ -99,8 +99,8 @@ def main() -> None:
         cfg.draft.quantize = None
     if args.quantize:  # the "draft" row is the draft with its float weights; the int8 row is built below
         cfg.draft.quantize = None
-    if args.weights:
-        cfg.draft = OmegaConf.create({"source": "student", "weights": str(Path(args.weights).resolve())})
+    if args.weights:  # another student file with the config's other draft settings (FR-Spec head, int8)
+        cfg.draft.source, cfg.draft.weights = "student", str(Path(args.weights).resolve())
     pair = load_pair(cfg)
     torch.manual_seed(0)
     mbpp = load_prompts(OmegaConf.load(REPO / "conf/dataset/mbpp.yaml"), "test", args.prompts)
