@@ -15,7 +15,6 @@ best learned method closes, with eval.bar's paired bootstrap intervals. Writes c
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,21 +24,16 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from eval.bar import replay_bar  # noqa: E402
-from utils.cli import UserError, fail  # noqa: E402
+from utils.cli import UserError, fail, run_stage  # noqa: E402
 from utils.files import write_result  # noqa: E402
 
 TRACES = "traces/smollm2_135m--mbpp--target_ar-t0-p1-n128-s0--"
 
 
 def replay(scale: float, profile: str, out: Path) -> None:
-    cmd = [sys.executable, "-m", "eval.replay", "+experiment=study/stop_heads", f"replay.tune={TRACES}validation",
-           f"replay.eval={TRACES}test-lim500", f"replay.c_from={profile}", f"replay.draft_scale={scale}",
-           "replay.synthetic_auroc=[]", f"replay.out_dir={out}"]
-    print(f"draft_scale {scale:g}: {' '.join(cmd[1:])}", flush=True)
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
-    if done.returncode != 0:
-        tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise UserError(f"the replay at draft_scale={scale:g} failed: {tail}")
+    run_stage(["-m", "eval.replay", "+experiment=study/stop_heads", f"replay.tune={TRACES}validation",
+               f"replay.eval={TRACES}test-lim500", f"replay.c_from={profile}", f"replay.draft_scale={scale}",
+               "replay.synthetic_auroc=[]", f"replay.out_dir={out}"], f"the replay at draft_scale={scale:g}")
 
 
 def plot(rows: list[dict], path: Path) -> None:

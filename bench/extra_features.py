@@ -40,7 +40,7 @@ from tqdm import tqdm  # noqa: E402
 
 from data_gen.traces import _forward, _head  # noqa: E402
 from eval.replay import load_greedy_traces  # noqa: E402
-from models.features import (LOOKUP_N, ContextIndex, FeatureSpec, continuation_starts, draft_probs,  # noqa: E402
+from models.features import (ContextIndex, FeatureSpec, continuation_starts, draft_probs,  # noqa: E402
                              features_from_columns, needed_columns, trace_round_positions)
 from models.pair import load_pair  # noqa: E402
 from utils.cli import UserError, fail  # noqa: E402
@@ -61,12 +61,7 @@ def hidden_states(model, seq: list[int]) -> torch.Tensor:
 
 
 def compete_row(index: ContextIndex, q: torch.Tensor, top5: list[int], top5_q: list[float], x: int) -> list[float]:
-    toks = index.toks
-    prop = None
-    for n in range(min(LOOKUP_N, len(toks)), 0, -1):
-        prop = index.follow.get(tuple(toks[len(toks) - n:]))
-        if prop is not None:
-            break
+    prop, _ = index.lookup()
     qx = float(q[x])
     if prop is None:
         lookup = [-1.0, -30.0, -1.0]

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,7 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from utils.cli import UserError, fail  # noqa: E402
+from utils.cli import UserError, fail, run_stage  # noqa: E402
 from utils.files import write_result  # noqa: E402
 
 TRACES = "traces/smollm2_135m--mbpp--target_ar-t0-p1-n128-s0--"
@@ -37,14 +36,6 @@ VARIANTS = {
     "accept_prob_rw6": ["labels=accept_prob", "data.reject_weight=6"],
     "specdecpp_recipe": ["labels=accept_prob", "data.reject_weight=6", "labels.reach=soft", "labels.reach_weight=0"],
 }
-
-
-def sh(cmd: list[str], what: str) -> None:
-    print(" ".join(cmd[1:]), flush=True)
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
-    if done.returncode != 0:
-        tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise UserError(f"{what} failed: {tail}")
 
 
 def main() -> None:
@@ -59,14 +50,14 @@ def main() -> None:
     heads = {}
     for name, overrides in VARIANTS.items():
         run_dir = work / name
-        sh([sys.executable, "-m", "train", "+experiment=disco_plus_mbpp", "split_limits.test=500", "logger=csv",
-            f"experiment_name=disco_plus_{name}", f"hydra.run.dir={run_dir}", *overrides], f"training {name}")
+        run_stage(["-m", "train", "+experiment=disco_plus_mbpp", "split_limits.test=500", "logger=csv",
+                   f"experiment_name=disco_plus_{name}", f"hydra.run.dir={run_dir}", *overrides], f"training {name}")
         heads[name] = work / f"disco_plus_{name}.ckpt"  # the replay names a head by its file's stem
         shutil.copyfile(run_dir / "checkpoints" / "best.ckpt", heads[name])
     policies = ",".join(["static_opt", "expected_value", "oracle", *(f"learned:{p}" for p in heads.values())])
-    sh([sys.executable, "-m", "eval.replay", "+experiment=study/stop_heads", f"replay.tune={TRACES}validation",
-        f"replay.eval={TRACES}test-lim500", f"replay.c_from={args.profile}", "replay.synthetic_auroc=[]",
-        f"replay.out_dir={work / 'replay'}", f"policies=[{policies}]"], "the replay")
+    run_stage(["-m", "eval.replay", "+experiment=study/stop_heads", f"replay.tune={TRACES}validation",
+               f"replay.eval={TRACES}test-lim500", f"replay.c_from={args.profile}", "replay.synthetic_auroc=[]",
+               f"replay.out_dir={work / 'replay'}", f"policies=[{policies}]"], "the replay")
     table = json.loads((work / "replay" / "replay.json").read_text())["eval"]
     free = table["expected_value"]["cost_model_speedup"]
     rows = {}

@@ -363,13 +363,17 @@ class ContextIndex:
             if gram not in self.grams:
                 break
             length = n
-        hit, lookup = 0.0, 0
+        prop, lookup = self.lookup()
+        return [float(length), float(prop is not None and prop == x), float(lookup)]
+
+    def lookup(self) -> tuple[int | None, int]:
+        """Prompt lookup's proposal for the next token and its match length n (None, 0 when no suffix recurs)."""
+        toks, n0 = self.toks, len(self.toks)
         for n in range(min(LOOKUP_N, n0), 0, -1):
             prop = self.follow.get(tuple(toks[n0 - n :]))
             if prop is not None:
-                hit, lookup = float(prop == x), n
-                break
-        return [float(length), hit, float(lookup)]
+                return prop, n
+        return None, 0
 
 
 CONTEXT_GROUPS = {"copy", "token", "text"}  # the groups that read the context (DraftStep.context)

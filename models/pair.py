@@ -236,12 +236,14 @@ def _load_hf(path: str, dtype: torch.dtype, revision: str | None = None):
         tok = AutoTokenizer.from_pretrained(path, revision=revision)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, revision=revision)
     except OSError as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise UserError(
-            f"cannot load model '{path}' ({first}); give a local directory saved with save_pretrained, "
-            "or a hub id on a machine with hub access"
-        ) from None
+        raise _load_error("model", path, err) from None
     return model, tok
+
+
+def _load_error(what: str, path: str, err: OSError) -> UserError:
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return UserError(f"cannot load {what} '{path}' ({first}); give a local directory saved with save_pretrained, "
+                     "or a hub id on a machine with hub access")
 
 
 def decoder_parts(model):
@@ -391,9 +393,7 @@ def load_tokenizer(cfg: DictConfig):
         try:
             tok = AutoTokenizer.from_pretrained(path, revision=src.get("revision") if kind == "hf" else None)
         except OSError as err:
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise UserError(f"cannot load the tokenizer of '{path}' ({first}); give a local directory saved with "
-                            "save_pretrained, or a hub id on a machine with hub access") from None
+            raise _load_error("the tokenizer of", path, err) from None
     else:
         raise UserError(f"target.source='{kind}' is not one of: hf, gguf, tiny_random")
     if tok.pad_token_id is None:

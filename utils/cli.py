@@ -35,6 +35,19 @@ def check_name(group: str, name: str) -> Path:
     return path
 
 
+def run_stage(args: list[str], what: str, cwd: Path = CONF_DIR.parent) -> None:
+    """Run `python -m <stage> ...` (bench scripts that chain stages), printing the command; a failure becomes a
+    UserError naming `what` and the stage's last error line."""
+    import subprocess
+
+    cmd = [sys.executable, *args]
+    print(" ".join(args), flush=True)
+    done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    if done.returncode != 0:
+        tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise UserError(f"{what} failed: {tail}")
+
+
 def output_dir(out_dir) -> Path:
     """The folder a stage writes to: `out_dir` when the user set one, else the Hydra run folder."""
     if out_dir:
