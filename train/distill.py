@@ -95,45 +95,28 @@ def _topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return vals.to(torch.float16), idx.to(torch.int32)
 
 
-@torch.inference_mode()
 def generate_continuations(pair: Pair, texts: list[str], max_new_tokens: int, batch_size: int, temperature: float,
                            topk: int, max_len: int, seed: int, desc: str) -> list[dict]:
-    """The target's continuations of `texts` (batched, KV cache) with its top-k probabilities at every new token.
+    """The target's continuations of `texts` (batched, KV cache) with its top-k probabilities at every new token
+    (train.distill_data.generate, the one batched generator).
 
     Returns items {ids: prompt+continuation (int32), start: prompt length, vals, idx: (n_new, k)}; a continuation
     ends after the first EOS. Prompts longer than max_len - max_new_tokens are skipped, not cut (a cut chat prompt
     is not what decoding sees).
     """
-    tok, target, vocab = pair.tokenizer, pair.target, pair.vocab_size
+    from train.distill_data import generate
+
+    tok = pair.tokenizer
     enc = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     enc = [e for e in enc if 0 < len(e) <= max_len - max_new_tokens]
     order = sorted(range(len(enc)), key=lambda i: len(enc[i]))
-    eos = eos_ids(target, tok)
-    pad = tok.pad_token_id
-    torch.manual_seed(seed)
     out = []
     for b in tqdm(range(0, len(order), batch_size), desc=desc, unit="batch"):
         rows = [enc[i] for i in order[b : b + batch_size]]
-        width = max(map(len, rows))
-        ids = torch.full((len(rows), width), pad, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for r, e in enumerate(rows):  # left padding: every row's next token sits at the same column
-            ids[r, width - len(e):] = torch.tensor(e)
-            mask[r, width - len(e):] = 1
-        gen = target.generate(
-            input_ids=ids.to(pair.device), attention_mask=mask.to(pair.device), max_new_tokens=max_new_tokens,
-            do_sample=temperature > 0, temperature=temperature if temperature > 0 else None, top_p=None, top_k=None,
-            pad_token_id=pad, output_logits=True, return_dict_in_generate=True,
-        )
-        new = gen.sequences[:, width:].cpu()
-        logits = torch.stack(gen.logits, 1)[..., :vocab]  # (B, T, V): the target's logits before each new token
-        for r, e in enumerate(rows):
-            cont = new[r].tolist()
-            n = next((t + 1 for t, x in enumerate(cont) if x in eos), len(cont))
-            if n == 0:
-                continue
-            vals, idx = _topk(logits[r, :n], topk)
-            out.append({"ids": torch.tensor(e + cont[:n], dtype=torch.int32), "start": len(e), "vals": vals, "idx": idx})
+        for e, o in zip(rows, generate(pair, rows, temperature, max_new_tokens, topk, seed + b)):
+            if o["cont"]:
+                out.append({"ids": torch.tensor(e + o["cont"], dtype=torch.int32), "start": len(e),
+                            "vals": o["vals"], "idx": o["idx"]})
     return out
 
 
@@ -184,7 +167,13 @@ def build_data(pair: Pair, cfg: DictConfig) -> tuple[list[dict], list[dict], lis
     root = root / pair.pair_id
     base = (pair.pair_id, pair.tokenizer_hash, CODE_VERSION)
     train = []
-    for src in d.sources:
+    if d.get("responses"):  # python -m train.distill_data's folder (the finished shards; it may still be growing)
+        from train.distill_data import load_items
+
+        train, made = load_items(Path(os.path.expanduser(str(d.responses))))
+        if made.get("tokenizer_hash") != pair.tokenizer_hash:
+            raise UserError(f"data.responses={d.responses} was made with another tokenizer than pair {pair.name}'s")
+    for src in ([] if d.get("responses") else d.sources):
         key = cache_key(base, OmegaConf.to_container(src), d.max_new_tokens, d.temperature, d.topk, d.max_len, cfg.seed)
         _, texts = dataset_prompts(pair, src.dataset, src.split, src.get("limit"))
         train += cached(root / f"gen-{src.dataset}-{src.split}-{key}.pt", lambda: generate_continuations(
@@ -327,9 +316,13 @@ def _frozen_target(cfg: DictConfig, layers: list[int]) -> Pair:
     return pair
 
 
-def _fit(cfg: DictConfig, pair: Pair, student, train: list[dict], run_dir: Path, evaluate, save):
-    """Lightning fits the student on the cached teacher top-k; returns (trainer, snapshot callback, batches/epoch)."""
+def _fit(cfg: DictConfig, pair: Pair, student, train: list[dict], run_dir: Path, evaluate, save, subset):
+    """Lightning fits the student on the cached teacher top-k, checkpointing every `train.ckpt_minutes` and resuming
+    from `run_dir/checkpoints/last.ckpt`; returns (trainer, snapshot callback, batches per epoch)."""
+    from datetime import timedelta
+
     from lightning import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import CSVLogger
 
     from train.distill_module import DistillModule, LengthBatches, Snapshots, collate
@@ -338,16 +331,59 @@ def _fit(cfg: DictConfig, pair: Pair, student, train: list[dict], run_dir: Path,
     loader = torch.utils.data.DataLoader(
         train, batch_sampler=LengthBatches([len(it["ids"]) for it in train], int(tcfg.batch_size), int(cfg.seed)),
         collate_fn=lambda b: collate(b, pair.tokenizer.pad_token_id))
-    module = DistillModule(student, pair.vocab_size, tcfg)
+    module = DistillModule(student, pair.vocab_size, tcfg, subset)
     snaps = Snapshots(run_dir, int(tcfg.val_every), evaluate, save)
+    ckpt = ModelCheckpoint(dirpath=run_dir / "checkpoints", save_last=True, save_top_k=0,
+                           train_time_interval=timedelta(minutes=float(tcfg.ckpt_minutes)))
     trainer = Trainer(
         accelerator="cuda" if pair.device.type == "cuda" else "cpu", devices=1, precision=str(tcfg.precision),
         max_steps=int(tcfg.max_steps), max_time={"minutes": float(tcfg.max_minutes)} if tcfg.get("max_minutes") else None,
-        gradient_clip_val=float(tcfg.grad_clip), callbacks=[snaps], enable_checkpointing=False,
-        logger=CSVLogger(str(run_dir), name="csv"), log_every_n_steps=10, num_sanity_val_steps=0,
-        use_distributed_sampler=False, enable_model_summary=False, default_root_dir=str(run_dir))
-    trainer.fit(module, loader)
+        gradient_clip_val=float(tcfg.grad_clip), callbacks=[snaps, ckpt], logger=CSVLogger(str(run_dir), name="csv"),
+        log_every_n_steps=10, num_sanity_val_steps=0, use_distributed_sampler=False, enable_model_summary=False,
+        default_root_dir=str(run_dir))
+    last = run_dir / "checkpoints" / "last.ckpt"
+    resume = last if last.is_file() and cfg.get("resume", True) else None
+    if resume is not None:
+        print(f"resuming from {resume}", flush=True)
+    trainer.fit(module, loader, ckpt_path=str(resume) if resume else None)
+    if trainer.global_step < int(tcfg.max_steps):  # stopped by the time budget: keep exactly where it stands
+        trainer.save_checkpoint(str(last))
     return trainer, snaps, len(loader)
+
+
+def train_signature(cfg: DictConfig) -> dict:
+    """What a resumed run must share with the run it continues (budget, threads and output paths may change)."""
+    c = OmegaConf.to_container(cfg, resolve=True)
+    t = {k: v for k, v in c["train"].items() if k not in ("max_minutes", "ckpt_minutes", "val_every")}
+    return {"student": c["student"], "train": t, "data": c["data"], "seed": c["seed"], "target": c["pair"]["target"],
+            "code_version": CODE_VERSION}
+
+
+def _check_resume(cfg: DictConfig, run_dir: Path) -> None:
+    """A run folder holds one training run: a rerun continues it only with the same recipe."""
+    path = run_dir / "train_signature.json"
+    sig = json.loads(json.dumps(train_signature(cfg), default=str))
+    if path.is_file() and cfg.get("resume", True) and (run_dir / "checkpoints" / "last.ckpt").is_file():
+        before = json.loads(path.read_text())
+        if before != sig:
+            diff = sorted(k for k in set(before) | set(sig) if before.get(k) != sig.get(k))
+            raise UserError(f"{run_dir} holds a distillation run with another recipe (differs in: {', '.join(diff)}); "
+                            "pass name=<new run> for a new run, or resume=false to start this one over")
+    path.write_text(json.dumps(sig, indent=1))
+
+
+def student_subset(cfg: DictConfig, pair: Pair, target) -> torch.Tensor | None:
+    """The FR-Spec ids the draft's head will score (`student.vocab_subset`, default: the pair's), or None."""
+    n = cfg.student.get("vocab_subset")
+    if not n:
+        return None
+    from models.lm_head import read_frequencies, subset_ids
+    from models.pair import REPO_ROOT
+
+    path = Path(str(cfg.student.vocab_freq))
+    freq = read_frequencies(path if path.is_absolute() else REPO_ROOT / path)
+    always = set(getattr(pair.tokenizer, "all_special_ids", []) or []) | eos_ids(target, pair.tokenizer)
+    return subset_ids(freq, int(n), always, pair.vocab_size)
 
 
 def distill(cfg: DictConfig) -> dict:
@@ -360,6 +396,7 @@ def distill(cfg: DictConfig) -> dict:
     target = pair.target
     run_dir = _run_dir()
     run_dir.mkdir(parents=True, exist_ok=True)
+    _check_resume(cfg, run_dir)
     out = Path(cfg.out) if cfg.get("out") else run_dir / "student.safetensors"
     if out.suffix != ".safetensors":
         raise UserError(f"out={out} must end in .safetensors")
@@ -379,10 +416,12 @@ def distill(cfg: DictConfig) -> dict:
         return describe(model, target, pair, heldout, heldout_text, cost_ids, cost, teacher_cache)
 
     student = make_student(target, layers, bool(cfg.student.own_norm))
+    subset = student_subset(cfg, pair, target)
     rows = {"before": evaluate(layer_subset(target, layers), bool(cfg.measure_cost))}
     print_table(rows)
     info = {"layers": layers, "own_modules": ["norm"] if cfg.student.own_norm else [], "target": pair.pair_id,
             "tokenizer_hash": pair.tokenizer_hash, "code_version": CODE_VERSION,
+            "vocab_subset": None if subset is None else int(cfg.student.vocab_subset),
             "command": "python -m " + " ".join(["train.distill"] + sys.argv[1:]),
             "recipe": OmegaConf.to_container(cfg, resolve=True)}
 
@@ -391,8 +430,12 @@ def distill(cfg: DictConfig) -> dict:
             k: v for k, v in row.items() if isinstance(v, (int, float))}}, pair.dtype)
 
     t_train = time.time()
-    trainer, snaps, batches = _fit(cfg, pair, student, train, run_dir, evaluate, save)
+    trainer, snaps, batches = _fit(cfg, pair, student, train, run_dir, evaluate, save, subset)
     t_train = time.time() - t_train
+    if trainer.global_step < int(cfg.train.max_steps):
+        print(f"stopped at step {trainer.global_step} of {cfg.train.max_steps} (train.max_minutes={cfg.train.max_minutes}); "
+              f"checkpoint in {run_dir / 'checkpoints'}: rerun the same command to continue", flush=True)
+        return {"steps": trainer.global_step, "complete": False, "run_dir": str(run_dir)}
 
     final = load_student(target, run_dir / "student-best.safetensors").to(pair.device)
     rows["after"] = evaluate(final, bool(cfg.measure_cost))

@@ -19,19 +19,58 @@ from omegaconf import DictConfig
 from models.pair import decoder_parts
 
 
+def _buckets(logits: torch.Tensor, vals: torch.Tensor, idx: torch.Tensor):
+    """(p, log q) on k + 1 buckets — the teacher's kept tokens and one bucket for the rest of the vocabulary.
+
+    An index of -1 marks a teacher token the student cannot emit (outside an FR-Spec subset): its mass joins the
+    rest bucket, where q has what the student gives the tokens not kept.
+    """
+    logq = torch.log_softmax(logits.float(), -1)
+    ok = idx >= 0
+    lq = logq.gather(-1, idx.clamp_min(0).long()).masked_fill(~ok, -math.inf)
+    p = vals.float().masked_fill(~ok, 0.0)
+    p_rest = (1 - p.sum(-1, keepdim=True)).clamp_min(0)
+    q_rest = (1 - lq.exp().sum(-1, keepdim=True)).clamp_min(1e-8)
+    return torch.cat([p, p_rest], -1), torch.cat([lq, q_rest.log()], -1)
+
+
+def _kl(p: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
+    """Σ p (log p − log q) over buckets, 0·log 0 = 0."""
+    return (p * (p.clamp_min(1e-12).log() - logq.clamp_min(-1e4))).sum(-1)
+
+
 def topk_kl(logits: torch.Tensor, vals: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-position KL(p||q) with p known on k tokens + the rest mass: (KL, cross-entropy), both (N,).
 
     CE = -Σ_k p_i log q_i - p_rest log q_rest, where q_rest = 1 - Σ_k q_i; KL = CE - H(p) with the same grouping.
     """
-    logq = torch.log_softmax(logits.float(), -1)
-    lq = logq.gather(-1, idx.long())
-    p = vals.float()
-    p_rest = (1 - p.sum(-1)).clamp_min(0)
-    q_rest = (1 - lq.exp().sum(-1)).clamp_min(1e-8)
-    ce = -(p * lq).sum(-1) - p_rest * q_rest.log()
-    neg_h = (p * p.clamp_min(1e-12).log()).sum(-1) + p_rest * p_rest.clamp_min(1e-12).log()
-    return ce + neg_h, ce
+    p, logq = _buckets(logits, vals, idx)
+    ce = -(p * logq.clamp_min(-1e4)).sum(-1)
+    return _kl(p, logq), ce
+
+
+def distill_loss(name: str, logits: torch.Tensor, vals: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Per-position divergence of the student from the teacher on the k + 1 buckets (DistillSpec's choices):
+    `fkl` KL(p||q) (mode-covering), `tv` total variation ½Σ|p − q| (what 1 − acceptance measures for sampling),
+    `jsd` Jensen-Shannon (½KL(p||m) + ½KL(q||m), m = (p + q)/2)."""
+    if name == "fkl":
+        return topk_kl(logits, vals, idx)[0]
+    p, logq = _buckets(logits, vals, idx)
+    q = logq.exp()
+    if name == "tv":
+        return 0.5 * (p - q).abs().sum(-1)
+    if name == "jsd":
+        m_log = (0.5 * (p + q)).clamp_min(1e-12).log()
+        return 0.5 * (p * (p.clamp_min(1e-12).log() - m_log)).sum(-1) + 0.5 * (q * (logq.clamp_min(-1e4) - m_log)).sum(-1)
+    raise ValueError(name)
+
+
+LOSSES = ("fkl", "tv", "jsd")
+
+
+def subset_index(idx: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """Teacher token ids → their rows in an FR-Spec subset head (`position[v]`: row of token v, -1 if absent)."""
+    return position[idx.long()]
 
 
 class LengthBatches(torch.utils.data.Sampler):
@@ -70,33 +109,62 @@ def collate(items: list[dict], pad_id: int) -> dict:
 
 
 class DistillModule(L.LightningModule):
-    """The student and its KL objective; the frozen shared embeddings/head are not optimised."""
+    """The student and its objective; the frozen shared embeddings/head are not optimised (nor checkpointed).
 
-    def __init__(self, student, vocab: int, tcfg: DictConfig):
+    With an FR-Spec subset (`subset`: the token ids the draft's head scores) the student is trained through that
+    head: logits on the subset only, teacher tokens outside it counted in the rest bucket — the distribution the
+    draft decodes with. The learning-rate schedule is in steps (warmup + cosine to `max_steps`), so a run resumed on
+    another machine follows the same curve.
+    """
+
+    def __init__(self, student, vocab: int, tcfg: DictConfig, subset: torch.Tensor | None = None):
         super().__init__()
         self.student, self.vocab, self.tcfg = student, vocab, tcfg
+        self.loss_name = str(tcfg.get("loss", "fkl"))
+        if self.loss_name not in LOSSES:
+            from utils.cli import UserError
+
+            raise UserError(f"train.loss={self.loss_name} is not one of {', '.join(LOSSES)}")
         self.t0 = None
+        self.strict_loading = False  # checkpoints hold only the trainable tensors
+        if subset is not None:
+            position = torch.full((vocab,), -1, dtype=torch.long)
+            position[subset.long()] = torch.arange(len(subset))
+            self.register_buffer("subset", subset.long(), persistent=False)
+            self.register_buffer("position", position, persistent=False)
+        else:
+            self.subset = self.position = None
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        w = self.student.lm_head.weight
+        if self.subset is None:
+            return F.linear(h, w)[:, : self.vocab]
+        return F.linear(h, w[self.subset])
 
     def training_step(self, batch, _):
         inner = decoder_parts(self.student)
         h = inner(input_ids=batch["x"], attention_mask=batch["att"]).last_hidden_state
-        logits = self.student.lm_head(h[batch["mask"]])[:, : self.vocab]  # the head only where a loss is taken
-        kl, ce = topk_kl(logits, batch["vals"], batch["idx"])
-        loss = kl.mean()
+        logits = self.logits(h[batch["mask"]])  # the head only where a loss is taken
+        idx = batch["idx"] if self.position is None else subset_index(batch["idx"], self.position)
+        per_pos = distill_loss(self.loss_name, logits, batch["vals"], idx)
+        loss = per_pos.mean()
         if float(self.tcfg.ce_weight) > 0:
-            loss = loss + float(self.tcfg.ce_weight) * F.cross_entropy(logits.float(), batch["idx"][:, 0].long())
-        self.log("train/kl", kl.mean(), prog_bar=True)
+            top = idx[:, 0].long()
+            keep = top >= 0
+            loss = loss + float(self.tcfg.ce_weight) * F.cross_entropy(logits.float()[keep], top[keep])
+        self.log(f"train/{self.loss_name}", per_pos.mean(), prog_bar=True)
         self.log("train/tokens", float(batch["mask"].sum()), reduce_fx="sum")
         return loss
 
     def on_train_start(self):
         self.t0 = time.time()
 
+    def on_save_checkpoint(self, checkpoint):
+        keep = {n for n, p in self.named_parameters() if p.requires_grad}
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in keep}
+
     def progress(self, step: int) -> float:
-        frac = step / max(int(self.tcfg.max_steps), 1)
-        if self.tcfg.get("max_minutes") and self.t0 is not None:
-            frac = max(frac, (time.time() - self.t0) / (60 * float(self.tcfg.max_minutes)))
-        return min(frac, 1.0)
+        return min(step / max(int(self.tcfg.max_steps), 1), 1.0)
 
     def configure_optimizers(self):
         params = [p for p in self.student.parameters() if p.requires_grad]
@@ -119,6 +187,12 @@ class Snapshots(L.Callback):
     def __init__(self, run_dir: Path, every: int, evaluate, save):
         self.run_dir, self.every, self.evaluate, self.save = run_dir, every, evaluate, save
         self.best, self.history = -1.0, []
+
+    def state_dict(self):  # kept in the training checkpoint, so a resumed run knows its best snapshot
+        return {"best": self.best, "history": self.history}
+
+    def load_state_dict(self, state):
+        self.best, self.history = float(state["best"]), list(state["history"])
 
     def check(self, trainer, module):
         step = trainer.global_step

@@ -1,0 +1,157 @@
+"""train.distill_data on the tiny pair: prompts never leak a test prompt, the recorded teacher top-k is the target's,
+shards resume to the rows of an uninterrupted run, a mismatched folder is refused in one line, exported ids rebuild
+a shard; and the distillation losses behave (train.distill_module)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from tests.conftest import REPO
+from train import distill_data as dd
+from train import distill_prompts as dp
+from train.distill_module import distill_loss, subset_index, topk_kl
+from utils.cli import CONF_DIR, UserError
+
+
+def compose_data(tmp_path, *overrides: str):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose("distill_data", overrides=[
+            "pair=tiny_random", f"out_root={tmp_path / 'out'}", f"seq_dir={tmp_path / 'seqs'}",
+            f"gen_prompts.path={tmp_path / 'gen.jsonl'}", "gen_prompts.self_instruct=3", "gen_prompts.translations=2",
+            "gen_prompts.max_new_tokens=6", "responses.max_new_tokens=5", "limit=6", "prompts_per_shard=2",
+            "batch_size=3", "topk=4", "progress=false", "sources=[mbpp]", "max_prompt_tokens=400",
+            *overrides])
+
+
+def rows_of(folder):
+    items, manifest = dd.load_items(folder)
+    return [(it["ids"].tolist(), it["start"], it["idx"].tolist()) for it in items], manifest
+
+
+def test_built_prompts_hold_no_test_prompt():
+    guard = dp.TestGuard()
+    from omegaconf import OmegaConf
+
+    from data_gen.prompts import load_prompts
+
+    test = load_prompts(OmegaConf.load(CONF_DIR / "dataset" / "mbpp.yaml"), "test")
+    assert guard.leaks(test[0].text)  # the guard sees the test prompts it must keep out
+    built = dp.built_prompts(OmegaConf.create({"sources": ["mbpp", "specbench", "wikitext"]}))
+    assert built and not any(guard.leaks(p.text) for p in built)
+    assert {p.source for p in built} >= {"mbpp", "specbench", "wikitext_summarize"}
+    ids = {p.prompt_id for p in built}
+    assert not any(i.startswith("mbpp-") and 11 <= int(i.split("-")[1]) <= 510 for i in ids)  # no MBPP test id
+
+
+def test_recorded_topk_is_the_targets(tiny_pair):
+    enc = [tiny_pair.tokenizer.encode("def f(x):"), tiny_pair.tokenizer.encode("assert g(1)")]
+    for temp in (0.0, 1.0):
+        outs = dd.generate(tiny_pair, enc, temp, 6, 5, seed=0)
+        for e, o in zip(enc, outs):
+            ids = torch.tensor([e + o["cont"]])
+            with torch.no_grad():
+                p = torch.softmax(tiny_pair.target(ids).logits[0, len(e) - 1 : -1].float(), -1)
+            v, i = p.topk(5, -1)
+            assert torch.equal(i[: len(o["cont"])].int(), o["idx"])
+            torch.testing.assert_close(v[: len(o["cont"])].half(), o["vals"], atol=2e-3, rtol=0)
+            if temp == 0:  # greedy: each generated token is the teacher's top-1
+                assert o["cont"] == o["idx"][:, 0].tolist()
+
+
+def test_job_resumes_to_the_uninterrupted_rows_and_rebuilds_from_ids(tmp_path):
+    whole = compose_data(tmp_path / "a")
+    dd.run(whole)
+    ref, manifest = rows_of(dd.out_folder(whole))
+    assert manifest["complete"] and manifest["num_shards_planned"] == 3 and len(ref) == 12  # 6 prompts × 2 temperatures
+    parts = compose_data(tmp_path / "b", "max_shards=1")
+    dd.run(parts)
+    assert not json.loads((dd.out_folder(parts) / "manifest.json").read_text())["complete"]
+    dd.run(compose_data(tmp_path / "b"))  # the rerun continues
+    assert rows_of(dd.out_folder(parts))[0] == ref
+    # a machine with the exported ids but no cache rebuilds the shards by a teacher-forced pass
+    import shutil
+
+    shutil.rmtree(tmp_path / "b" / "out")
+    dd.run(compose_data(tmp_path / "b"))
+    rebuilt, _ = rows_of(dd.out_folder(parts))
+    assert [r[:2] for r in rebuilt] == [r[:2] for r in ref]
+    assert [r[2][0] for r in rebuilt] == [r[2][0] for r in ref]  # same teacher top-1 at every position
+
+
+def test_job_refuses_a_folder_of_other_settings(tmp_path):
+    dd.run(compose_data(tmp_path, "max_shards=1"))
+    with pytest.raises(UserError, match="another config.*overwrite=true"):
+        dd.run(compose_data(tmp_path, "responses.max_new_tokens=7"))
+    dd.run(compose_data(tmp_path, "responses.max_new_tokens=7", "overwrite=true", "max_shards=1"))
+
+
+def test_losses_are_the_exact_divergences_when_k_covers_the_vocabulary():
+    torch.manual_seed(0)
+    p = torch.softmax(torch.randn(6, 9), -1)
+    logits = torch.randn(6, 9)
+    q = torch.softmax(logits, -1)
+    vals, idx = p.topk(9, -1)
+    torch.testing.assert_close(distill_loss("tv", logits, vals, idx), 0.5 * (p - q).abs().sum(-1), atol=1e-5, rtol=0)
+    m = 0.5 * (p + q)
+    jsd = 0.5 * (p * (p / m).log()).sum(-1) + 0.5 * (q * (q / m).log()).sum(-1)
+    torch.testing.assert_close(distill_loss("jsd", logits, vals, idx), jsd, atol=1e-5, rtol=0)
+    torch.testing.assert_close(distill_loss("fkl", logits, vals, idx), topk_kl(logits, vals, idx)[0])
+
+
+def test_subset_head_loss_puts_unreachable_teacher_mass_in_the_rest_bucket():
+    subset = torch.tensor([0, 2, 3])
+    position = torch.full((5,), -1)
+    position[subset] = torch.arange(3)
+    idx = torch.tensor([[4, 2]])  # the teacher's top token (4) is outside the subset
+    sub = subset_index(idx, position)
+    assert sub.tolist() == [[-1, 1]]
+    vals = torch.tensor([[0.7, 0.2]])
+    loss = distill_loss("fkl", torch.zeros(1, 3), vals, sub)
+    # buckets: {token 2: p 0.2, q 1/3}, rest: {p 0.8, q 2/3}
+    want = 0.2 * torch.log(torch.tensor(0.2 / (1 / 3))) + 0.8 * torch.log(torch.tensor(0.8 / (2 / 3)))
+    torch.testing.assert_close(loss, want.reshape(1), atol=1e-5, rtol=0)
+
+
+def _distill_args(tmp_path, run: str) -> list[str]:
+    return ["-m", "train.distill", "pair=tiny_random", "student.layers=[0]", "data.max_new_tokens=8",
+            "data.gen_batch_size=4", "data.sources=[{dataset: mbpp, split: train, limit: 8}]", "data.text.chunks=0",
+            "data.heldout=[{dataset: mbpp, split: validation, limit: 2}]", "data.heldout_text_chunks=2",
+            "train.max_steps=400", "train.val_every=1000", "train.batch_size=2", "train.ckpt_minutes=0.002",
+            "train.precision=32-true", "measure_cost=false", f"data.cache_dir={tmp_path / 'cache'}",
+            f"out={tmp_path / 'student.safetensors'}", f"hydra.run.dir={tmp_path / run}"]
+
+
+@pytest.mark.slow
+def test_distill_resumes_after_a_kill(tmp_path):
+    """SIGKILL mid-training, rerun the same command: it continues from the last checkpoint to max_steps."""
+    import os
+
+    env = dict(os.environ, WANDB_MODE="offline", PYTHONUNBUFFERED="1")
+    args = [sys.executable, *_distill_args(tmp_path, "run")]
+    proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    deadline = time.time() + 300
+    while not last.is_file() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    time.sleep(1.0)  # a few more steps and checkpoints
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert last.is_file(), "no checkpoint before the kill"
+    killed_at = torch.load(last, map_location="cpu", weights_only=False)["global_step"]
+    assert 0 < killed_at < 400
+    done = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "resuming from" in done.stdout
+    info = json.loads((tmp_path / "student.json").read_text())["info"]
+    assert info["steps_run"] == 400
+    # another recipe in the same run folder is refused in one line
+    other = subprocess.run([*args, "train.lr=0.5"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert other.returncode == 2 and "another recipe" in other.stderr and "Traceback" not in other.stderr

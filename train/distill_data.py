@@ -1,0 +1,443 @@
+"""`python -m train.distill_data`: the draft's distillation data at scale — the target's own responses to prompts from
+every domain we decode, greedy and sampled, with the teacher's top-k probabilities cached as they are generated.
+
+Why a job of its own: agreement of the shipped draft is limited by its data (534 sequences, mostly code), and at
+~100-200 generated tokens/s on a 2-core CPU two million positions take hours, more than one session. So the job is
+sharded and resumable under data_gen's manifest contract (`data_gen.store`: one manifest with the config hash,
+shards that appear only when complete, checksums, a mismatched folder refused in one line, `shard_id/num_shards`
+fan-out), and every finished shard's token ids are also exported (`seq_dir`, a few MB for millions of positions, meant
+to be committed). A machine that has the ids but not the cache rebuilds the top-k with one teacher-forced pass per
+shard, ~20x cheaper than generating — the only time the target reads a sequence twice.
+
+Phases (both resumable):
+1. generated prompts (`gen_prompts`): the target writes new tasks from train-split seeds (self-instruct) and German
+   versions of WikiText-2 train sentences (for Spec-Bench's "Translate German to English:"); rows are appended to
+   `gen_prompts.path` (committed) batch by batch, and a rerun continues from the last row.
+2. responses: every prompt (train.distill_prompts + phase 1), rendered through the chat template, answered once per
+   `responses.temperatures` entry (0 = greedy, 1 = the target's own distribution), batched with a KV cache;
+   `TopKRecorder` keeps the teacher's top-k of the raw logits at each new token.
+
+`python -m train.distill data.source=distill_data` (conf/distill.yaml) trains on the folder this writes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
+
+from data_gen import store
+from models.pair import Pair, eos_ids, load_pair
+from train import distill_prompts as dp
+from utils.cli import UserError, hydra_entry
+from utils.files import sha256_file, write_text_atomic
+
+log = logging.getLogger(__name__)
+CODE_VERSION = "distill-data-1"
+SEQ_COLUMNS = ("prompt_id", "source", "temperature", "ids", "start")
+
+
+# --------------------------------------------------------------------------------------------------- generation
+
+
+class TopKRecorder:
+    """A logits processor that records the top-k probabilities of the scores it is handed and changes nothing.
+
+    It must see the raw logits: `generate` gets an explicit GenerationConfig with no warpers (T = 1, no top-k/p),
+    so it is the only processor (tests compare its rows with a teacher-forced pass)."""
+
+    def __init__(self, k: int, vocab: int):
+        self.k, self.vocab, self.vals, self.idx = k, vocab, [], []
+
+    def __call__(self, input_ids, scores):
+        probs = torch.softmax(scores[:, : self.vocab].float(), dim=-1)
+        v, i = probs.topk(self.k, dim=-1)
+        self.vals.append(v.to(torch.float16).cpu())
+        self.idx.append(i.to(torch.int32).cpu())
+        return scores
+
+
+def _left_pad(rows: list[list[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, rows))
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, e in enumerate(rows):
+        ids[r, width - len(e):] = torch.tensor(e)
+        mask[r, width - len(e):] = 1
+    return ids.to(device), mask.to(device)
+
+
+@torch.inference_mode()
+def generate(pair: Pair, prompts: list[list[int]], temperature: float, max_new_tokens: int, topk: int,
+             seed: int) -> list[dict]:
+    """The target's continuations of tokenized `prompts` in one batch: per prompt {cont (ids up to and including
+    the first EOS), vals, idx: (len(cont), topk)} — the teacher's top-k before each continuation token."""
+    from transformers import GenerationConfig, LogitsProcessorList
+
+    tok = pair.tokenizer
+    ids, mask = _left_pad(prompts, tok.pad_token_id, pair.device)
+    rec = TopKRecorder(topk, pair.vocab_size)
+    gc = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=temperature > 0, temperature=1.0,
+                          top_k=None, top_p=None, pad_token_id=tok.pad_token_id, eos_token_id=sorted(eos_ids(pair.target, tok)))
+    torch.manual_seed(seed)
+    logits = None
+    if temperature > 0 and temperature != 1.0:
+        from transformers import TemperatureLogitsWarper
+
+        logits = TemperatureLogitsWarper(float(temperature))  # after the recorder: it still sees the raw logits
+    procs = LogitsProcessorList([rec] + ([logits] if logits is not None else []))
+    out = pair.target.generate(input_ids=ids, attention_mask=mask, generation_config=gc, logits_processor=procs)
+    new = out[:, ids.shape[1]:].cpu()
+    vals, idx = torch.stack(rec.vals, 1), torch.stack(rec.idx, 1)
+    eos = eos_ids(pair.target, tok)
+    res = []
+    for r in range(len(prompts)):
+        cont = new[r].tolist()
+        n = next((t + 1 for t, x in enumerate(cont) if x in eos), len(cont))
+        res.append({"cont": cont[:n], "vals": vals[r, :n], "idx": idx[r, :n]})
+    return res
+
+
+@torch.inference_mode()
+def teacher_topk(pair: Pair, seqs: list[dict], topk: int, batch_size: int) -> list[dict]:
+    """Top-k of the target teacher-forced on stored sequences (ids, start): the rebuild path for exported shards."""
+    out = []
+    for b in range(0, len(seqs), batch_size):
+        chunk = seqs[b : b + batch_size]
+        width = max(len(s["ids"]) for s in chunk)
+        ids = torch.full((len(chunk), width), pair.tokenizer.pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for r, s in enumerate(chunk):
+            ids[r, : len(s["ids"])] = torch.as_tensor(s["ids"])
+            mask[r, : len(s["ids"])] = 1
+        logits = pair.target(input_ids=ids.to(pair.device), attention_mask=mask.to(pair.device)).logits
+        for r, s in enumerate(chunk):
+            st, n = int(s["start"]), len(s["ids"])
+            probs = torch.softmax(logits[r, st - 1 : n - 1, : pair.vocab_size].float(), -1)
+            v, i = probs.topk(topk, dim=-1)
+            out.append({**s, "vals": v.to(torch.float16).cpu(), "idx": i.to(torch.int32).cpu()})
+    return out
+
+
+# ----------------------------------------------------------------------------------------- phase 1: prompts
+
+
+def _gen_requests(cfg: DictConfig) -> list[dict]:
+    """Every planned generated-prompt request, in order: self-instruct tasks, then English→German sentences."""
+    g = cfg.gen_prompts
+    seeds = dp.self_instruct_seeds()
+    reqs = []
+    for i in range(int(g.self_instruct)):
+        kind, ask, prime = dp.self_instruct_request(i, seeds, int(cfg.seed))
+        reqs.append({"id": f"si-{i}", "source": f"self_instruct_{kind}", "request": ask, "prime": prime,
+                     "temperature": 1.0})
+    for j, s in enumerate(dp.english_sentences(int(g.translations))):
+        reqs.append({"id": f"tr-{j}", "source": "translation", "request": dp.translation_request(s), "prime": "",
+                     "temperature": 0.7})
+    return reqs
+
+
+def _finish_prompt(req: dict, output: str, guard: dp.TestGuard) -> str | None:
+    if req["source"] == "translation":
+        text = output.strip()
+        ok = 5 <= len(text) <= 800 and not dp.degenerate(text)
+        prompt = f"Translate German to English: {text}" if ok else None
+    else:
+        prompt = dp.clean_generated_task(output)
+    return None if prompt is None or guard.leaks(prompt) else prompt
+
+
+def make_generated_prompts(cfg: DictConfig, pair: Pair) -> list[dp.DistillPrompt]:
+    """Phase 1: fill `gen_prompts.path` up to the planned requests (resuming after its last row)."""
+    g = cfg.gen_prompts
+    path = Path(str(g.path))
+    done = dp.read_generated(path)
+    reqs = _gen_requests(cfg)
+    if [r["id"] for r in done] != [r["id"] for r in reqs[: len(done)]]:
+        raise UserError(f"{path} was made from other requests than gen_prompts now plans; delete it or restore the "
+                        "settings it was made with (its rows name their ids)")
+    todo = reqs[len(done):]
+    if todo:
+        guard = dp.TestGuard()
+        bs = int(g.batch_size)
+        bar = tqdm(total=len(reqs), initial=len(done), desc="generated prompts", unit="prompt", dynamic_ncols=True,
+                   disable=not cfg.progress)
+        for b in range(0, len(todo), bs):
+            chunk = todo[b : b + bs]
+            for t in sorted({r["temperature"] for r in chunk}):
+                part = [r for r in chunk if r["temperature"] == t]
+                enc = [_encode(pair, r["request"], r["prime"]) for r in part]
+                outs = generate(pair, enc, t, int(g.max_new_tokens), 1, int(cfg.seed) + len(done) + b)
+                for r, o in zip(part, outs):
+                    text = pair.tokenizer.decode(o["cont"], skip_special_tokens=True)
+                    r["output"], r["prompt"] = text, _finish_prompt(r, text, guard)
+            done += chunk
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in done))
+            bar.update(len(chunk))
+        bar.close()
+    kept = dp.generated_prompts(path)
+    print(f"generated prompts: {len(kept)} kept of {len(done)} in {path}", flush=True)
+    return kept
+
+
+# ------------------------------------------------------------------------------------------ phase 2: responses
+
+
+def _encode(pair: Pair, text: str, prime: str = "") -> list[int]:
+    """The prompt as decode renders it (chat template), plus `prime`: the start of the answer, if any."""
+    from data_gen.prompts import Prompt, render
+
+    return pair.tokenizer(render(Prompt("", "", text), pair.tokenizer, pair.chat_template) + prime,
+                          add_special_tokens=False)["input_ids"]
+
+
+def all_prompts(cfg: DictConfig, generated: list[dp.DistillPrompt]) -> list[dp.DistillPrompt]:
+    """Built + generated prompts, shuffled once by `seed`, so every prefix of the shard plan mixes all domains."""
+    prompts = dp.built_prompts(cfg) + generated
+    random.Random(int(cfg.seed)).shuffle(prompts)
+    return prompts[: int(cfg.limit)] if cfg.get("limit") is not None else prompts
+
+
+def hash_payload(cfg: DictConfig) -> dict:
+    """What decides the rows: the pair, the response settings and the shard plan (not threads, paths, progress)."""
+    keep = ("responses", "topk", "prompts_per_shard", "max_prompt_tokens", "seed", "limit")
+    target = OmegaConf.to_container(cfg.pair.target, resolve=True)  # the draft plays no part in these rows
+    return {"pair": {"name": str(cfg.pair.name), "target": target}, "code_version": CODE_VERSION,
+            **{k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]
+               for k in keep if k in cfg}}
+
+
+def config_hash(cfg: DictConfig) -> str:
+    return hashlib.sha256(json.dumps(hash_payload(cfg), sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def folder_name(cfg: DictConfig) -> str:
+    """`<pair>-responses[-lim<N>]`: readable and without the hash, so a run with other settings meets the folder of
+    the first and is refused in one line instead of silently starting a second data set (data_gen's rule)."""
+    return f"{cfg.pair.name}-responses" + (f"-lim{int(cfg.limit)}" if cfg.get("limit") is not None else "")
+
+
+def out_folder(cfg: DictConfig) -> Path:
+    return Path(os.path.expanduser(str(cfg.out_root))) / folder_name(cfg)
+
+
+def _table(rows: list[dict]):
+    import pyarrow as pa
+
+    return pa.table({
+        "prompt_id": pa.array([r["prompt_id"] for r in rows], pa.string()),
+        "source": pa.array([r["source"] for r in rows], pa.string()),
+        "temperature": pa.array([float(r["temperature"]) for r in rows], pa.float32()),
+        "ids": pa.array([np.asarray(r["ids"], np.int32) for r in rows], pa.list_(pa.int32())),
+        "start": pa.array([int(r["start"]) for r in rows], pa.int32()),
+        "topk_vals": pa.array([r["vals"].numpy().reshape(-1) for r in rows], pa.list_(pa.float16())),
+        "topk_idx": pa.array([r["idx"].numpy().reshape(-1) for r in rows], pa.list_(pa.int32())),
+    })
+
+
+def write_shard(folder: Path, index: int, rows: list[dict], extra: dict) -> dict:
+    """One shard, atomically (temp dir renamed into place), with checksums in shard.json — data_gen's layout."""
+    import datasets
+
+    final = folder / store.shard_name(index)
+    tmp = folder / f".tmp-{store.shard_name(index)}-{uuid.uuid4().hex[:8]}"
+    datasets.disable_progress_bars()  # the job's own bar is the one to watch
+    datasets.Dataset(_table(rows)).save_to_disk(str(tmp))
+    meta = {"shard": index, "rows": len(rows), "positions": int(sum(len(r["ids"]) - int(r["start"]) for r in rows)),
+            "prompt_ids": sorted({r["prompt_id"] for r in rows}),
+            "files": {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in sorted(tmp.glob("*.arrow"))},
+            "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **extra}
+    store.write_json_atomic(tmp / store.SHARD_META, meta)
+    os.rename(tmp, final)
+    return meta
+
+
+def export_seqs(seq_dir: Path, index: int, rows: list[dict], chash: str) -> None:
+    """The shard's token ids (no top-k) as zstd parquet: small enough to commit, enough to rebuild the shard."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    t = _table(rows).select(list(SEQ_COLUMNS)).replace_schema_metadata({"config_hash": chash})
+    seq_dir.mkdir(parents=True, exist_ok=True)
+    path = seq_dir / f"{store.shard_name(index)}.parquet"
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    pq.write_table(t, tmp, compression="zstd")
+    os.replace(tmp, path)
+
+
+def read_seqs(seq_dir: Path, index: int, chash: str) -> list[dict] | None:
+    import pyarrow.parquet as pq
+
+    path = seq_dir / f"{store.shard_name(index)}.parquet"
+    if not path.is_file():
+        return None
+    t = pq.read_table(path)
+    made = (t.schema.metadata or {}).get(b"config_hash", b"").decode()
+    if made != chash:
+        raise UserError(f"{path} was made with config hash {made}, this run's is {chash}; move {seq_dir} aside or "
+                        "restore the settings it was made with")
+    return t.to_pylist()
+
+
+def _plan(cfg: DictConfig, prompts: list[dp.DistillPrompt]) -> list[list[dp.DistillPrompt]]:
+    pps = int(cfg.prompts_per_shard)
+    return [prompts[i : i + pps] for i in range(0, len(prompts), pps)]
+
+
+def _manifest(cfg: DictConfig, pair: Pair, n_shards: int, prompts: list[dp.DistillPrompt]) -> dict:
+    return {"config_hash": config_hash(cfg), "config": hash_payload(cfg), "pair_id": pair.pair_id,
+            "tokenizer_hash": pair.tokenizer_hash, "dtype": str(pair.dtype).replace("torch.", ""),
+            "code_version": store.code_version(), "kind": "distill_responses", "topk": int(cfg.topk),
+            "prompts_hash": hashlib.sha256("\n".join(p.prompt_id + "\t" + p.text for p in prompts).encode()).hexdigest()[:12],
+            "num_prompts": len(prompts), "num_shards_planned": n_shards, "complete": False,
+            "sources": dict(sorted({s: sum(p.source == s for p in prompts) for s in {p.source for p in prompts}}.items())),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def _check(folder: Path, found: dict, want: dict, overwrite: bool) -> None:
+    """A folder is continued only as it was started: same config, prompts, tokenizer and dtype."""
+    # not the dtype: responses made in bf16 on one machine and float32 on the next are both the target's (each
+    # shard records its own), and sessions move between CPUs with and without native bf16
+    for key, what in (("config_hash", "another config"), ("prompts_hash", "other prompts"),
+                      ("tokenizer_hash", "another tokenizer"), ("num_shards_planned", "another shard plan")):
+        if found.get(key) != want[key] and not overwrite:
+            raise UserError(f"distillation data at {folder} was made with {what} ({key} {found.get(key)} != "
+                            f"{want[key]}); rerun with overwrite=true to regenerate, or pick another out_root")
+
+
+def shard_rows(cfg: DictConfig, pair: Pair, group: list[dp.DistillPrompt], index: int) -> list[dict]:
+    """Responses of one shard's prompts at every configured temperature (prompts too long are skipped)."""
+    r = cfg.responses
+    enc = [(p, _encode(pair, p.text)) for p in group]
+    enc = [(p, e) for p, e in enc if len(e) <= int(cfg.max_prompt_tokens)]
+    enc.sort(key=lambda pe: len(pe[1]))  # similar lengths batch together (less padding)
+    rows = []
+    for t_i, temp in enumerate(r.temperatures):
+        for b in range(0, len(enc), int(cfg.batch_size)):
+            chunk = enc[b : b + int(cfg.batch_size)]
+            seed = int(cfg.seed) * 1_000_003 + index * 101 + t_i * 7 + b
+            for (p, e), o in zip(chunk, generate(pair, [e for _, e in chunk], float(temp), int(r.max_new_tokens),
+                                                 int(cfg.topk), seed)):
+                if o["cont"]:
+                    rows.append({"prompt_id": p.prompt_id, "source": p.source, "temperature": float(temp),
+                                 "ids": e + o["cont"], "start": len(e), "vals": o["vals"], "idx": o["idx"]})
+    return rows
+
+
+def run(cfg: DictConfig) -> Path:
+    """Both phases; returns the responses folder (complete when every planned shard is there)."""
+    if cfg.get("threads"):
+        torch.set_num_threads(int(cfg.threads))
+    if int(cfg.num_shards) < 1 or not 0 <= int(cfg.shard_id) < int(cfg.num_shards):
+        raise UserError(f"shard_id={cfg.shard_id} must be in [0, num_shards={cfg.num_shards})")
+    folder = out_folder(cfg)
+    store.check_writable(folder.parent)
+    pcfg = OmegaConf.create(OmegaConf.to_container(cfg.pair, resolve=True))
+    pcfg.draft = OmegaConf.create({"source": "layer_subset", "layers": [0]})  # only the target runs here
+    pair = load_pair(pcfg)
+    generated = make_generated_prompts(cfg, pair) if cfg.gen_prompts.enabled else []
+    prompts = all_prompts(cfg, generated)
+    groups = _plan(cfg, prompts)
+    want = _manifest(cfg, pair, len(groups), prompts)
+    found = store.read_manifest(folder)
+    if found is not None:
+        _check(folder, found, want, bool(cfg.overwrite))
+        if cfg.overwrite:
+            shutil.rmtree(folder)
+            found = None
+    folder.mkdir(parents=True, exist_ok=True)
+    manifest = store.create_manifest(folder, want) if found is None else found
+    seq_dir = Path(str(cfg.seq_dir)) / folder_name(cfg) if cfg.get("seq_dir") else None
+    if seq_dir is not None:
+        exported = store.read_manifest(seq_dir)
+        if exported is not None and cfg.overwrite:
+            shutil.rmtree(seq_dir)
+        elif exported is not None:
+            _check(seq_dir, exported, want, False)
+        seq_dir.mkdir(parents=True, exist_ok=True)
+        store.write_json_atomic(seq_dir / store.MANIFEST, {k: v for k, v in want.items() if k not in ("created", "dtype")})
+    _fill(cfg, pair, folder, manifest, groups, seq_dir)
+    return folder
+
+
+def _fill(cfg, pair, folder: Path, manifest: dict, groups, seq_dir: Path | None) -> None:
+    shards = store.existing_shards(folder, full=False)
+    alien = [store.shard_name(g) for g, m in shards.items() if m.get("config_hash") != manifest["config_hash"]]
+    if alien:
+        raise UserError(f"{folder} holds shards of another config ({', '.join(alien[:3])}); delete them or rerun "
+                        "with overwrite=true")
+    mine = [g for g in range(len(groups)) if g % int(cfg.num_shards) == int(cfg.shard_id) and g not in shards]
+    if cfg.get("max_shards") is not None:
+        mine = mine[: int(cfg.max_shards)]
+    positions = sum(int(m.get("positions", 0)) for m in shards.values())
+    bar = tqdm(total=len(groups), initial=len(shards), desc="distillation responses", unit="shard",
+               dynamic_ncols=True, disable=not cfg.progress)
+    t0, made = time.perf_counter(), 0
+    for g in mine:
+        store.remove_stale_tmp(folder, g)
+        seqs = read_seqs(seq_dir, g, manifest["config_hash"]) if seq_dir is not None else None
+        if seqs is not None:
+            rows = teacher_topk(pair, seqs, int(cfg.topk), int(cfg.batch_size))
+        else:
+            rows = shard_rows(cfg, pair, groups[g], g)
+            made += sum(len(r["ids"]) - r["start"] for r in rows)
+        meta = write_shard(folder, g, rows, {"config_hash": manifest["config_hash"], "rebuilt": seqs is not None,
+                                             "dtype": str(pair.dtype).replace("torch.", "")})
+        if seq_dir is not None and seqs is None:
+            export_seqs(seq_dir, g, rows, manifest["config_hash"])
+        positions += meta["positions"]
+        bar.update(1)
+        bar.set_postfix_str(f"{positions / 1e6:.3f}M positions, {made / max(time.perf_counter() - t0, 1e-9):.0f} "
+                            "generated/s")
+    bar.close()
+    shards = store.existing_shards(folder, full=False)
+    done = not store.missing_shards(manifest, shards)
+    if done and not manifest.get("complete"):
+        store.write_json_atomic(folder / store.MANIFEST, {**manifest, "complete": True, "positions": positions,
+                                                            "rows": sum(int(m["rows"]) for m in shards.values())})
+    print(f"{folder}: {len(shards)} of {len(groups)} shards, {positions} positions"
+          + ("" if done else " (rerun the same command to continue)"), flush=True)
+
+
+def load_items(folder: Path | str) -> tuple[list[dict], dict]:
+    """(training items {ids, start, vals, idx, source}, manifest) from the shards present in a responses folder —
+    the in-memory form train.distill trains on (a partial folder is usable: training can start while data grows)."""
+    from datasets import load_from_disk
+
+    folder = Path(folder)
+    manifest = store.read_manifest(folder)
+    if manifest is None:
+        raise UserError(f"no distillation data at {folder} (no manifest.json); run python -m train.distill_data first")
+    k = int(manifest["topk"])
+    items = []
+    for index in sorted(store.existing_shards(folder, full=False)):
+        ds = load_from_disk(str(folder / store.shard_name(index))).with_format("numpy")
+        for row in ds:
+            n = len(row["ids"]) - int(row["start"])
+            items.append({"ids": torch.as_tensor(row["ids"], dtype=torch.int32), "start": int(row["start"]),
+                          "vals": torch.as_tensor(row["topk_vals"]).view(n, k),
+                          "idx": torch.as_tensor(row["topk_idx"]).view(n, k), "source": str(row["source"])})
+    if not items:
+        raise UserError(f"{folder} has no finished shard yet; run python -m train.distill_data to make some")
+    return items, manifest
+
+
+@hydra_entry("distill_data")
+def main(cfg: DictConfig) -> None:
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()
