@@ -155,3 +155,27 @@ def test_distill_resumes_after_a_kill(tmp_path):
     # another recipe in the same run folder is refused in one line
     other = subprocess.run([*args, "train.lr=0.5"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert other.returncode == 2 and "another recipe" in other.stderr and "Traceback" not in other.stderr
+
+
+def test_on_policy_batch_is_the_students_continuation_scored_by_the_teacher(tiny_pair):
+    from omegaconf import OmegaConf
+
+    from train.distill import make_student
+    from train.distill_module import DistillModule, collate
+
+    student = make_student(tiny_pair.target, [0], own_norm=True)
+    tcfg = OmegaConf.create({"loss": "fkl", "on_policy": 1.0, "on_policy_tokens": 5, "ce_weight": 0.0, "max_steps": 1})
+    module = DistillModule(student, tiny_pair.vocab_size, tcfg, teacher=tiny_pair)
+    prompt = tiny_pair.tokenizer.encode("def f(x):")
+    item = {"ids": torch.tensor(prompt + [5, 6], dtype=torch.int32), "start": len(prompt),
+            "vals": torch.full((2, 3), 0.2, dtype=torch.float16), "idx": torch.zeros((2, 3), dtype=torch.int32)}
+    batch = module.student_batch(collate([item], tiny_pair.tokenizer.pad_token_id))
+    assert batch["prompts"] == [prompt]
+    x = batch["x"][0][batch["att"][0].bool()].tolist()
+    assert x[: len(prompt)] == prompt and len(x) > len(prompt)  # the student wrote a continuation
+    with torch.no_grad():
+        p = torch.softmax(tiny_pair.target(torch.tensor([x])).logits[0].float(), -1)
+    n = int(batch["mask"].sum())
+    top = p[len(prompt) - 1 : len(prompt) - 1 + n].topk(3, -1)
+    assert torch.equal(batch["idx"].long(), top.indices)  # the teacher's top-k on the student's tokens
+    assert torch.isfinite(module.training_step(batch, 0))

@@ -331,12 +331,12 @@ def _fit(cfg: DictConfig, pair: Pair, student, train: list[dict], run_dir: Path,
     loader = torch.utils.data.DataLoader(
         train, batch_sampler=LengthBatches([len(it["ids"]) for it in train], int(tcfg.batch_size), int(cfg.seed)),
         collate_fn=lambda b: collate(b, pair.tokenizer.pad_token_id))
-    module = DistillModule(student, pair.vocab_size, tcfg, subset)
+    module = DistillModule(student, pair.vocab_size, tcfg, subset, teacher=pair)
     snaps = Snapshots(run_dir, int(tcfg.val_every), evaluate, save)
     ckpt = ModelCheckpoint(dirpath=run_dir / "checkpoints", save_last=True, save_top_k=0,
                            train_time_interval=timedelta(minutes=float(tcfg.ckpt_minutes)))
     trainer = Trainer(
-        accelerator="cuda" if pair.device.type == "cuda" else "cpu", devices=1, precision=str(tcfg.precision),
+        accelerator="cuda" if pair.device.type == "cuda" else "cpu", devices=1, precision=train_precision(tcfg, pair),
         max_steps=int(tcfg.max_steps), max_time={"minutes": float(tcfg.max_minutes)} if tcfg.get("max_minutes") else None,
         gradient_clip_val=float(tcfg.grad_clip), callbacks=[snaps, ckpt], logger=CSVLogger(str(run_dir), name="csv"),
         log_every_n_steps=10, num_sanity_val_steps=0, use_distributed_sampler=False, enable_model_summary=False,
@@ -349,6 +349,13 @@ def _fit(cfg: DictConfig, pair: Pair, student, train: list[dict], run_dir: Path,
     if trainer.global_step < int(tcfg.max_steps):  # stopped by the time budget: keep exactly where it stands
         trainer.save_checkpoint(str(last))
     return trainer, snaps, len(loader)
+
+
+def train_precision(tcfg: DictConfig, pair: Pair) -> str:
+    """`auto`: bf16 autocast where the pair runs in bf16 (CUDA, CPUs with native bf16), else float32 — emulated
+    bf16 products are several times slower than float32 on CPUs without it."""
+    p = str(tcfg.precision)
+    return ("bf16-mixed" if pair.dtype == torch.bfloat16 else "32-true") if p == "auto" else p
 
 
 def train_signature(cfg: DictConfig) -> dict:

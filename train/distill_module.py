@@ -105,7 +105,8 @@ def collate(items: list[dict], pad_id: int) -> dict:
         x[r, :n], att[r, :n] = ids[:-1], 1
         mask[r, s - 1 : n] = True
         vals[r, s - 1 : n], idx[r, s - 1 : n] = it["vals"], it["idx"]
-    return {"x": x, "att": att, "mask": mask, "vals": vals[mask], "idx": idx[mask]}
+    return {"x": x, "att": att, "mask": mask, "vals": vals[mask], "idx": idx[mask],
+            "prompts": [it["ids"][: int(it["start"])].tolist() for it in items]}
 
 
 class DistillModule(L.LightningModule):
@@ -117,9 +118,12 @@ class DistillModule(L.LightningModule):
     another machine follows the same curve.
     """
 
-    def __init__(self, student, vocab: int, tcfg: DictConfig, subset: torch.Tensor | None = None):
+    def __init__(self, student, vocab: int, tcfg: DictConfig, subset: torch.Tensor | None = None, teacher=None):
         super().__init__()
         self.student, self.vocab, self.tcfg = student, vocab, tcfg
+        self.teacher = [teacher]  # a list: Lightning must neither move, train nor checkpoint the frozen target
+        self.on_policy = float(tcfg.get("on_policy", 0.0))
+        self.rng = random.Random(int(tcfg.get("seed", 0)))
         self.loss_name = str(tcfg.get("loss", "fkl"))
         if self.loss_name not in LOSSES:
             from utils.cli import UserError
@@ -141,7 +145,26 @@ class DistillModule(L.LightningModule):
             return F.linear(h, w)[:, : self.vocab]
         return F.linear(h, w[self.subset])
 
+    @torch.no_grad()
+    def student_batch(self, batch) -> dict:
+        """DistillSpec's on-policy data: the student continues the batch's prompts (T = 1, its own head) and the
+        teacher scores what it wrote — the sequences the draft will meet when it drafts."""
+        from train.distill_data import generate, teacher_topk
+
+        pair = self.teacher[0]
+        k = batch["idx"].shape[-1]
+        was = self.student.training
+        self.student.eval()
+        view = _StudentView(pair, self.student, self.subset)
+        outs = generate(view, batch["prompts"], 1.0, int(self.tcfg.on_policy_tokens), 1, self.rng.randrange(2**31))
+        self.student.train(was)
+        seqs = [{"ids": p + o["cont"], "start": len(p)} for p, o in zip(batch["prompts"], outs) if o["cont"]]
+        items = teacher_topk(pair, seqs, k, len(seqs))
+        return collate([{**it, "ids": torch.as_tensor(it["ids"])} for it in items], pair.tokenizer.pad_token_id)
+
     def training_step(self, batch, _):
+        if self.on_policy > 0 and self.rng.random() < self.on_policy:
+            batch = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in self.student_batch(batch).items()}
         inner = decoder_parts(self.student)
         h = inner(input_ids=batch["x"], attention_mask=batch["att"]).last_hidden_state
         logits = self.logits(h[batch["mask"]])  # the head only where a loss is taken
@@ -181,6 +204,30 @@ class DistillModule(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
+class _StudentView:
+    """The student dressed as a pair's target for `train.distill_data.generate` (which samples from `.target`),
+    restricted to its FR-Spec subset when it has one."""
+
+    def __init__(self, pair, student, subset):
+        self.tokenizer, self.vocab_size, self.device = pair.tokenizer, pair.vocab_size, pair.device
+        self.target = student if subset is None else _Masked(student, subset, pair.vocab_size)
+
+
+class _Masked(torch.nn.Module):
+    def __init__(self, model, subset, vocab):
+        super().__init__()
+        self.model, self.config, self.generation_config = model, model.config, model.generation_config
+        self.register_buffer("mask", torch.full((vocab,), float("-inf")).index_fill_(0, subset.cpu(), 0.0))
+
+    def generate(self, **kw):
+        from transformers import LogitsProcessorList
+
+        mask = self.mask
+        kw["logits_processor"] = LogitsProcessorList([lambda ids, s: s[:, : mask.numel()] + mask.to(s.device)]
+                                                     + list(kw.get("logits_processor") or []))
+        return self.model.generate(**kw)
+
+
 class Snapshots(L.Callback):
     """Every `val_every` steps (and at the end): held-out Σmin(p,q); write last and best student files."""
 
@@ -199,7 +246,8 @@ class Snapshots(L.Callback):
         if self.history and self.history[-1]["step"] == step:
             return
         module.student.eval()
-        with torch.autocast(module.device.type, dtype=torch.bfloat16):
+        bf16 = "bf16" in str(trainer.precision)
+        with torch.autocast(module.device.type, dtype=torch.bfloat16, enabled=bf16):
             row = self.evaluate(module.student)
         module.student.train()
         row.update(step=step, minutes=(time.time() - module.t0) / 60 if module.t0 else 0.0)

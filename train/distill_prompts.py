@@ -93,7 +93,7 @@ STDLIB_TEMPLATES = (
 )
 
 
-def stdlib_source_prompts(limit: int, max_lines: int = 30) -> list[DistillPrompt]:
+def stdlib_source_prompts(limit: int, max_lines: int = 24) -> list[DistillPrompt]:
     """Short functions from CPython's own standard-library sources (PSF licence), found with `ast`: the running
     interpreter's `Lib/`, so no file is shipped for them. Deterministic order; one template per function."""
     lib = Path(sys.modules["json"].__file__).resolve().parent.parent
@@ -133,7 +133,7 @@ WIKI_TEMPLATES = (
 )
 
 
-def wikitext_paragraphs(min_words: int = 60, max_words: int = 220) -> list[tuple[str, str]]:
+def wikitext_paragraphs(min_words: int = 60, max_words: int = 150) -> list[tuple[str, str]]:
     """(id, paragraph) of the WikiText-2 valid.txt articles in our train split (sha256 of the title, 0-7: the split
     data_gen uses), each paragraph cut to `max_words`, WikiText's ` @-@ ` escapes undone."""
     paras, title = [], None
@@ -184,7 +184,7 @@ def self_instruct_request(i: int, seeds: dict[str, list[str]], seed: int = 0) ->
     kind = kinds[i % len(kinds)]
     rng = random.Random(f"{seed}-{i}")
     shown = rng.sample(seeds[kind], min(3, len(seeds[kind])))
-    body = "\n\n".join(f"Task {j + 1}: {s.strip()}" for j, s in enumerate(shown))
+    body = "\n\n".join(f"Task {j + 1}: {s.strip()[:400]}" for j, s in enumerate(shown))  # short: prefill is the cost
     n = len(shown) + 1
     ask = (f"Here are examples of tasks:\n\n{body}\n\nWrite Task {n}: one new task of the same kind about a different "
            "topic. Write only the task itself.")

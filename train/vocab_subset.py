@@ -40,6 +40,16 @@ def count_tokens(pair, cfg: DictConfig) -> tuple[Counter, list[dict]]:
 
     counts: Counter = Counter()
     sources = []
+    if cfg.get("responses"):  # the distillation data (python -m train.distill_data): the target's own responses
+        from train.distill_data import load_items
+
+        items, _ = load_items(Path(str(cfg.responses)))
+        n = 0
+        for it in items:
+            new = it["ids"][int(it["start"]):].tolist()
+            counts.update(new)
+            n += len(new)
+        sources.append({"kind": "distill_responses", "folder": str(cfg.responses), "sequences": len(items), "tokens": n})
     g = cfg.generate
     for src in g.sources:
         prompts, texts = dataset_prompts(pair, src.dataset, src.split, src.get("limit"))  # never a test split
