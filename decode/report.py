@@ -1,8 +1,9 @@
 """A decode run's outputs: the Markdown tables, the plots and the files in `out_dir`.
 
 `prompts.jsonl` (one row per method × prompt), `summary.json` ({method: metrics}), `summary.md` (the table),
-`run.json` (settings, device, measured cost ratio), `speedup.png`, `acceptance_by_position.png`, and for prompts
-with several tasks (Spec-Bench) `by_task.{json,md}`.
+`run.json` (settings, device, measured cost ratio), `speedup.png` (with 95% bootstrap intervals over prompts),
+`acceptance_by_position.png`, and for prompts with several tasks (Spec-Bench) `by_task.{json,md}`. `plots` redraws
+the two PNGs from summary.json and prompts.jsonl alone (eval.study does, for every decode folder under results/).
 """
 
 from __future__ import annotations
@@ -55,28 +56,56 @@ def markdown_table(summary: dict, title: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
+def speedup_intervals(rows: list[dict], keys: list[str], n_resamples: int = 2000,
+                      confidence: float = 0.95) -> dict[str, list[float]]:
+    """{method: [low, high]}: percentile bootstrap over prompts of each method's speedup as the table computes it,
+    (Σ new tokens ÷ Σ wall s) of the method ÷ the same of target-only, on the prompts every method and target-only
+    decoded. One draw of prompts serves every method (they decoded the same prompts in one process). Empty with
+    fewer than 3 such prompts."""
+    import numpy as np
+
+    from utils.stats import bootstrap_ci
+
+    by: dict[str, dict] = {m: {} for m in ["target", *keys]}
+    for r in rows:
+        if r.get("method") in by:
+            by[r["method"]][r["prompt_id"]] = r
+    ids = sorted(set.intersection(*(set(v) for v in by.values())))
+    if len(ids) < 3:
+        return {}
+    tok = {m: np.array([by[m][i]["new_tokens"] for i in ids], dtype=float) for m in by}
+    wall = {m: np.array([by[m][i]["wall_s"] for i in ids], dtype=float) for m in by}
+
+    def stat(idx, axis=-1):
+        t = tok["target"][idx].sum(-1) / wall["target"][idx].sum(-1)
+        return np.stack([tok[m][idx].sum(-1) / wall[m][idx].sum(-1) / t for m in keys])
+
+    cis = bootstrap_ci(len(ids), stat, n_resamples, confidence, method="percentile")
+    return dict(zip(keys, cis))
+
+
 def plots(summary: dict, rows: list[dict], out_dir: Path) -> None:
-    """speedup.png (mean ± std over prompts) and acceptance_by_position.png."""
-    from utils.plotting import pyplot
+    """speedup.png (each method's speedup with its 95% bootstrap interval over prompts) and
+    acceptance_by_position.png."""
+    from utils.plotting import pyplot, save_png
 
     plt = pyplot()
-    import numpy as np
 
     keys = [k for k in summary if k != "target"]
     if not keys:
         return
     fig, ax = plt.subplots(figsize=(1.2 * len(keys) + 2, 3.5))
-    per_prompt = [[r.get("speedup", 0.0) for r in rows if r["method"] == k] for k in keys]
     means = [summary[k]["speedup"] for k in keys]
-    stds = [float(np.std(v)) if v else 0.0 for v in per_prompt]
-    ax.bar(range(len(keys)), means, yerr=stds, capsize=4, color=["#999" if summary[k].get("oracle") else "#4477aa"
-                                                                     for k in keys])
+    ci = speedup_intervals(rows, keys)
+    err = [[max(0.0, m - ci[k][0]) if k in ci else 0.0 for k, m in zip(keys, means)],
+           [max(0.0, ci[k][1] - m) if k in ci else 0.0 for k, m in zip(keys, means)]]
+    ax.bar(range(len(keys)), means, yerr=err, capsize=4, color=["#999" if summary[k].get("oracle") else "#4477aa"
+                                                                  for k in keys])
     ax.axhline(1.0, color="k", lw=0.8, ls="--")
     ax.set_xticks(range(len(keys)), keys, rotation=30, ha="right")
-    ax.set_ylabel("speedup vs target-only (± std over prompts)")
+    ax.set_ylabel("speedup vs target-only\n(95% bootstrap CI over prompts)")
     fig.tight_layout()
-    fig.savefig(out_dir / "speedup.png", dpi=120)
-    plt.close(fig)
+    save_png(fig, out_dir / "speedup.png", dpi=120)
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for k in keys:
@@ -88,8 +117,7 @@ def plots(summary: dict, rows: list[dict], out_dir: Path) -> None:
     ax.set_ylim(0, 1.02)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out_dir / "acceptance_by_position.png", dpi=120)
-    plt.close(fig)
+    save_png(fig, out_dir / "acceptance_by_position.png", dpi=120)
 
 
 def task_table(by_task: dict, title: str = "") -> str:

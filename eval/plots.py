@@ -9,39 +9,35 @@ from pathlib import Path
 
 import numpy as np
 
-from utils.plotting import pyplot
+from utils.plotting import pyplot, save_png
 
 plt = pyplot()
 
 
 def _save(fig, path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_png(fig, path, dpi=110)
 
 
-def roc(curves: dict, path) -> Path:
-    """curves: name → (fpr list, tpr list, auroc)."""
+def roc(curves: dict, path, title: str = "ROC") -> Path:
+    """curves: name → (fpr list, tpr list, auroc); `python -m eval` and train's roc.png beside a checkpoint."""
     fig, ax = plt.subplots(figsize=(4.8, 4.4))
     for name, (fpr, tpr, auc) in curves.items():
         ax.plot(fpr, tpr, label=f"{name} (AUROC {auc:.3f})")
     ax.plot([0, 1], [0, 1], "k:", lw=0.8)
-    ax.set(xlabel="false positive rate", ylabel="true positive rate (accepted = positive)", title="ROC")
+    ax.set(xlabel="false positive rate", ylabel="true positive rate (accepted = positive)", title=title)
     ax.legend(fontsize=7, loc="lower right")
     return _save(fig, path)
 
 
-def pr(curves: dict, path, base_rate: float | None = None) -> Path:
+def pr(curves: dict, path, base_rate: float | None = None, title: str = "Precision-recall") -> Path:
     """curves: name → (recall list, precision list, ap)."""
     fig, ax = plt.subplots(figsize=(4.8, 4.4))
     for name, (recall, precision, ap) in curves.items():
         ax.plot(recall, precision, label=f"{name} (AP {ap:.3f})")
     if base_rate is not None:
         ax.axhline(base_rate, color="k", ls=":", lw=0.8, label=f"base rate {base_rate:.2f}")
-    ax.set(xlabel="recall", ylabel="precision", title="Precision-recall", xlim=(0, 1), ylim=(0, 1.02))
+    ax.set(xlabel="recall", ylabel="precision", title=title, xlim=(0, 1), ylim=(0, 1.02))
     ax.legend(fontsize=7, loc="lower left")
     return _save(fig, path)
 

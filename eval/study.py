@@ -1,20 +1,30 @@
-"""results/README.md from the study's result folders: every table with its command, machine, date and settings, and
-the issue's bar for the learned heads computed from results/disco_mbpp/summary.json (never typed in); the same
-DISCO table and verdict fill the marked study block of the top-level README.
+"""`python -m eval.study`: results/README.md and README.md's headline table, generated from the folders under
+results/ (never typed in).
 
-    python -m eval.study            (after the study's decode runs; see the commands in the written file)
+    python -m eval.study               # after any command of conf/study.yaml rewrote its folder
+    python -m eval.study --no-plots    # the two Markdown files only
 
-What the study ran is data, not code: conf/study.yaml lists each section (its folder under results/, title,
-commands, tables and plots), the rerun pairs of the reproducibility check and the bar's thresholds; the decoding runs
-are the Hydra experiments in conf/experiment/study/. A section whose folder is missing is listed as "not run" with its
-command, so the file says what is absent. argparse, not Hydra: this reads finished result folders and composes no
-pair, dataset or model, so there is no config to compose beyond the manifest it is pointed at.
+conf/study.yaml lists every results/ folder as a section: the commands that write it, the tables and plots shown,
+a short note. For each section results/README.md gets the commands, the settings its files record (machine, date,
+dtype, prompts), a **stale** line when its pair, draft or code settings differ from today's defaults of its pair
+(`conf/pair/<pair>.yaml`; a setting the section's own command sets, e.g. `pair.dtype=float32`, is not stale), then
+its tables, plots and note. Compared: the pair, `draft.vocab_subset`, `draft.quantize`, `dtype` (only where the pair
+pins one: `auto` resolves per machine), `linear` and `forward` (code paths a file records since those options
+exist; a decode run.json records no git commit, so these are the code settings there are to compare).
+
+Every decode folder's speedup.png and acceptance_by_position.png are redrawn from its summary.json and prompts.jsonl
+(decode.report.plots: bars with 95% bootstrap intervals over prompts). README.md's block between the study markers
+gets the headline: the default pair's wall-clock speedups (conf/study.yaml `headline.wall`) next to every policy's
+cost-model speedup tuned on validation and the bar of the best learned head (`headline.bar`, eval.bar's bar.json);
+tests/test_results_tree.py checks that the block is what this writes from the files. argparse, not Hydra: it reads
+finished result folders and composes no pair, dataset or model.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,29 +34,32 @@ REPO = Path(__file__).resolve().parent.parent
 
 MANIFEST = REPO / "conf" / "study.yaml"
 
+BEGIN, END = "<!-- study:begin (python -m eval.study) -->", "<!-- study:end -->"
+
 
 @dataclass(frozen=True)
 class Section:
-    """One table of results/README.md: its folder under results/, the commands that wrote it, what it shows."""
+    """One folder under results/ (or, with `only`, some of its files): the commands that write it and what to show."""
 
     folder: str
     title: str
     commands: tuple[str, ...]
     tables: tuple[str, ...] = ()
     plots: tuple[str, ...] = ()
-
-    @property
-    def command(self) -> str:
-        return " && ".join(self.commands)
+    notes: str = ""
+    only: tuple[str, ...] = ()
+    render: str = ""
 
 
 @dataclass(frozen=True)
 class Study:
-    """conf/study.yaml: the sections, the (original, rerun) folder pairs and the bar (`{ratio: threshold text}`)."""
+    """conf/study.yaml: the sections, the headline's sources, issue 16's bar (`{name: threshold text}`) and the
+    folders other commands fill."""
 
     sections: tuple[Section, ...]
-    reruns: tuple[tuple[str, str], ...]
-    bar: dict[str, str] = field(default_factory=dict)
+    headline: dict = field(default_factory=dict)
+    bar: dict = field(default_factory=dict)
+    elsewhere: dict = field(default_factory=dict)  # {folder: command} of folders other commands fill
 
 
 def load_study(path: Path = MANIFEST) -> Study:
@@ -56,152 +69,114 @@ def load_study(path: Path = MANIFEST) -> Study:
         raise UserError(f"study manifest {path} not found; pass --manifest conf/study.yaml")
     raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
     sections = tuple(Section(s["folder"], s["title"], tuple(s["commands"]), tuple(s.get("tables") or ()),
-                             tuple(s.get("plots") or ())) for s in raw["sections"])
-    return Study(sections, tuple((a, b) for a, b in raw.get("reruns") or []),
-                 {k: str(v) for k, v in (raw.get("bar") or {}).items()})
+                             tuple(s.get("plots") or ()), str(s.get("notes") or "").strip(),
+                             tuple(s.get("only") or ()), str(s.get("render") or "")) for s in raw["sections"])
+    return Study(sections, dict(raw.get("headline") or {}), {k: str(v) for k, v in (raw.get("bar") or {}).items()},
+                 {k: str(v) for k, v in (raw.get("elsewhere") or {}).items()})
 
 
-def bar_check(summary: dict, thresholds: dict[str, str] | None = None) -> dict:
-    """The issue's bar on MBPP test: best learned head vs static K-opt, SVIP, AdaEDL, and the static→oracle gap;
-    `thresholds` ({ratio: "1.10"}) default to conf/study.yaml's `bar`."""
-    from decode.metrics import oracle_gap_closed
+def owner(study: Study, rel: str) -> Section | None:
+    """The section covering the file results/<rel>: the deepest section folder above it; on one folder a section
+    whose `only` lists the file's name before one without `only`."""
+    parts = rel.split("/")
+    for depth in range(len(parts) - 1, 0, -1):
+        folder = "/".join(parts[:depth])
+        here = [s for s in study.sections if s.folder == folder]
+        for s in here:
+            if s.only and depth == len(parts) - 1 and parts[-1] in s.only:
+                return s
+        for s in here:
+            if not s.only:
+                return s
+    return None
 
-    heads = {k: v for k, v in summary.items() if k.startswith("learned")}
-    need = [k for k in ("static_opt", "svip", "adaedl", "oracle") if k not in summary]
-    if not heads or need:
-        raise UserError(f"results/disco_mbpp/summary.json lacks {need or 'a learned:* row'}; rerun study/disco_mbpp")
-    best = max(heads, key=lambda k: heads[k]["speedup"])
-    s = {k: summary[k]["speedup"] for k in ("static_opt", "svip", "adaedl", "oracle")}
-    b = heads[best]["speedup"]
-    gap = s["oracle"] - s["static_opt"]
-    out = {
-        "best_learned": best, "best_learned_speedup": b, **{f"{k}_speedup": v for k, v in s.items()},
-        "vs_static_opt": b / s["static_opt"], "vs_svip": b / s["svip"], "vs_adaedl": b / s["adaedl"],
-        "oracle_gap_closed": oracle_gap_closed(b, s["static_opt"], s["oracle"]) if gap > 0 else float("nan"),
-    }
-    thresholds = load_study().bar if thresholds is None else thresholds
-    out["passes"] = {f"{k}>={v}": out[k] >= float(v) for k, v in thresholds.items()}
+
+# ------------------------------------------------------------------------------------------------ settings, staleness
+
+
+def _record(data: dict) -> dict | None:
+    """The pair settings a result file records: a cost profile's key, a replay's profile, a run.json, or the
+    profile file a bench result names."""
+    if isinstance(data.get("key"), dict) and "pair" in data["key"]:
+        return {**data["key"], "date": data.get("date")}
+    prof = (data.get("settings") or {}).get("cost_profile") if isinstance(data.get("settings"), dict) else None
+    if isinstance(prof, dict) and isinstance(prof.get("key"), dict):
+        return {**prof["key"], "date": data["settings"].get("date")}
+    if "pair" in data and "dtype" in data:
+        return data
+    if isinstance(data.get("profile"), str) and (REPO / data["profile"]).is_file():
+        return _record(json.loads((REPO / data["profile"]).read_text()))
+    return None
+
+
+def records(results: Path, sec: Section) -> list[dict]:
+    """The settings records of a section's files (each run.json of a folder of decode runs)."""
+    d = results / sec.folder
+    if sec.only:
+        files = [d / f for f in sec.only if f.endswith(".json")]
+    else:
+        files = [d / "run.json", *sorted(d.glob("*/run.json")), d / "replay.json", d / "profile.json"]
+    out = []
+    for f in files:
+        if f.is_file():
+            rec = _record(json.loads(f.read_text()))
+            if rec is not None:
+                out.append(rec)
     return out
 
 
-def bar_intervals(prompts: Path, bar: dict, confidence: float = 0.95, n_resamples: int = 4000) -> dict:
-    """Bootstrap confidence intervals of the bar's ratios over the table's prompts (BCa, seeded).
+def pair_defaults(name: str) -> dict | None:
+    """conf/pair/<name>.yaml as a dict (today's defaults of that pair), or None when the pair no longer exists."""
+    from omegaconf import OmegaConf
 
-    Resampling is paired: one draw of prompts serves every method, as all methods decoded the same prompts in one
-    process. Each resample recomputes the speedups exactly as the table does (ratio of sums, decode.metrics), so an
-    interval that straddles the bar says the prompt sample cannot tell the head from the baseline at that margin."""
-    import numpy as np
-    from scipy.stats import bootstrap
-
-    from decode.metrics import oracle_gap_closed, tokens_per_s
-
-    methods = ["target", bar["best_learned"], "static_opt", "svip", "adaedl", "oracle"]
-    rows: dict[str, dict[str, dict]] = {m: {} for m in methods}
-    for line in prompts.read_text().splitlines():
-        r = json.loads(line)
-        if r["method"] in rows:
-            rows[r["method"]][r["prompt_id"]] = r
-    ids = sorted(set.intersection(*(set(v) for v in rows.values())))
-    if len(ids) < 3:
-        raise UserError(f"{prompts} has {len(ids)} prompts decoded by all of {methods}; rerun study/disco_mbpp")
-    tok = {m: np.array([rows[m][i]["new_tokens"] for i in ids], dtype=float) for m in methods}
-    wall = {m: np.array([rows[m][i]["wall_s"] for i in ids], dtype=float) for m in methods}
-
-    def stats(idx, axis=-1):
-        t = tokens_per_s(tok["target"][idx], wall["target"][idx])
-        s = {m: tokens_per_s(tok[m][idx], wall[m][idx]) / t for m in methods[1:]}
-        b = s[bar["best_learned"]]
-        return np.stack([b / s["static_opt"], b / s["svip"], b / s["adaedl"],
-                         oracle_gap_closed(b, s["static_opt"], s["oracle"])])
-
-    res = bootstrap((np.arange(len(ids)),), stats, vectorized=True, n_resamples=n_resamples,
-                    confidence_level=confidence, method="BCa", random_state=0)
-    keys = ["vs_static_opt", "vs_svip", "vs_adaedl", "oracle_gap_closed"]
-    return {"confidence": confidence, "n_prompts": len(ids), "n_resamples": n_resamples,
-            "method": "BCa bootstrap over prompts, paired across methods",
-            **{k: [float(lo), float(hi)] for k, lo, hi in zip(keys, res.confidence_interval.low,
-                                                             res.confidence_interval.high)}}
+    path = REPO / "conf" / "pair" / f"{name}.yaml"
+    return OmegaConf.to_container(OmegaConf.load(path), resolve=False) if path.is_file() else None
 
 
-def _bar_line(bar: dict, thresholds: dict[str, str]) -> str:
-    """The bar's numbers with their bootstrap intervals when the prompts were there to compute them."""
-    ci, t = bar.get("ci"), thresholds
-
-    def f(key: str, pct: bool = False) -> str:
-        scale, unit = (100, "%") if pct else (1, "×")
-        val = f"{scale * bar[key]:.{0 if pct else 2}f}{unit}"
-        if not ci:
-            return val
-        lo, hi = (scale * x for x in ci[key])
-        return f"{val} [{lo:.{0 if pct else 2}f}–{hi:.{0 if pct else 2}f}]"
-
-    return (f"{f('vs_static_opt')} static K-opt ({bar['static_opt_speedup']:.2f}×; bar ≥ {t['vs_static_opt']}), "
-            f"{f('vs_svip')} SVIP ({bar['svip_speedup']:.2f}×; bar ≥ {t['vs_svip']}), "
-            f"{f('vs_adaedl')} AdaEDL ({bar['adaedl_speedup']:.2f}×; bar ≥ {t['vs_adaedl']}); it closes "
-            f"{f('oracle_gap_closed', pct=True)} of the gap from static K-opt to the oracle "
-            f"({bar['oracle_speedup']:.2f}×; bar ≥ {100 * float(t['oracle_gap_closed']):.0f}%)"
-            + (f" — [low–high]: {100 * ci['confidence']:.0f}% {ci['method']} ({ci['n_prompts']} prompts)" if ci else ""))
+def command_overrides(commands) -> set[str]:
+    """The `pair.*` settings a section's commands set on purpose (`pair.dtype=float32` → pair.dtype)."""
+    return {m for c in commands for m in re.findall(r"\b(pair(?:\.\w+)+)=", c)}
 
 
-def disco_bar(d: Path, thresholds: dict[str, str] | None = None) -> dict:
-    """bar_check on the table's summary, with intervals when its per-prompt rows are there; written to bar.json."""
-    bar = bar_check(json.loads((d / "summary.json").read_text()), thresholds)
-    if (d / "prompts.jsonl").is_file():
-        bar["ci"] = bar_intervals(d / "prompts.jsonl", bar)
-    (d / "bar.json").write_text(json.dumps(bar, indent=2))
-    return bar
-
-
-def repro_check(original: dict, rerun: dict) -> dict:
-    """Per method of the rerun: does its speedup land within the original table's spread (± std of per-prompt
-    speedups) of the original row? Methods the original lacks are skipped."""
-    from decode.methods import method_entry
-
-    out = {}
-    for method, r in rerun.items():
-        o = method_entry(original, method, method.split(":")[0], (r.get("params") or {}).get("ckpt"))
-        if method == "target" or o is None:
-            continue
-        spread = float(o.get("speedup_std") or 0.0)
-        # mean accepted length does not depend on the machine's speed: the cross-machine check that remains
-        out[method] = {"original": o["speedup"], "rerun": r["speedup"], "spread": spread,
-                       "within": abs(r["speedup"] - o["speedup"]) <= spread,
-                       "mean_accepted_length": [o.get("mean_accepted_length"), r.get("mean_accepted_length")]}
+def stale_reasons(rec: dict, overrides: set[str] = frozenset()) -> list[str]:
+    """What a settings record differs in from today's defaults of its pair (empty: current)."""
+    pair = str(rec.get("pair"))
+    conf = pair_defaults(pair)
+    if conf is None:
+        return [f"pair {pair}, which conf/pair/ no longer defines"]
+    out = []
+    if conf.get("dtype", "auto") != "auto" and "pair.dtype" not in overrides:
+        if str(rec.get("dtype", "")).removeprefix("torch.") != str(conf["dtype"]):
+            out.append(f"dtype={rec.get('dtype')} (today {conf['dtype']})")
+    if "device" not in rec:  # a partial record (pair and dtype only): nothing more to compare
+        return out
+    draft = rec.get("draft") or {}
+    for key in ("vocab_subset", "quantize"):
+        want = (conf.get("draft") or {}).get(key)
+        if draft.get(key) != want and f"pair.draft.{key}" not in overrides:
+            out.append(f"draft.{key}={'null' if draft.get(key) is None else draft.get(key)} (today {want})")
+    if conf.get("linear", "auto") == "auto" and "pair.linear" not in overrides:
+        want = "packed" if str(rec.get("device")) == "cpu" else "torch"
+        if rec.get("linear") != want:
+            got = rec.get("linear")
+            out.append(f"linear={got} (today {want})" if got else f"linear=torch (before pair.linear; today {want})")
+    if "pair.forward" not in overrides and not rec.get("forward"):
+        out.append(f"forward=hf (before pair.forward; today {conf.get('forward', 'auto')})")
     return out
 
 
-def repro_section(results: Path, reruns) -> list[str]:
-    """The reproducibility table of the (original, rerun) folder pairs; writes results/reproducibility.json."""
-    rows, report = [], {}
-    for orig, again in reruns:
-        a, b = results / orig / "summary.json", results / again / "summary.json"
-        if not (a.is_file() and b.is_file()):
-            continue
-        machines = [json.loads((results / f / "run.json").read_text()).get("machine") for f in (orig, again)]
-        same = machines[0] == machines[1]
-        check = repro_check(json.loads(a.read_text()), json.loads(b.read_text()))
-        report[f"{orig} <- {again}"] = {"same_machine": same, "methods": check}
-        for m, row in check.items():
-            mal = " → ".join("–" if x is None else f"{x:.2f}" for x in row["mean_accepted_length"])
-            rows.append(f"| {orig} | {again} | {'yes' if same else 'no'} | {m} | "
-                        f"{row['original']:.2f} ± {row['spread']:.2f} | {row['rerun']:.2f} | "
-                        f"{'yes' if row['within'] else 'no'} | {mal} |")
-    if not rows:
-        return []
-    (results / "reproducibility.json").write_text(json.dumps(report, indent=2))
-    return ["## Reproducibility — rows rerun in a fresh process", "",
-            "Each rerun's command is its section's; `within` = the rerun's speedup lies within the original table's "
-            "± (std of per-prompt speedups) of the original row (results/reproducibility.json). Wall-clock speedups "
-            "only reproduce on the same machine; the mean accepted length (tokens per target call) does not depend on "
-            "the machine's speed and should match across machines up to the dtype's numerics.", "",
-            "| table | rerun | same machine | method | original | rerun | within | mean acc len (original → rerun) |",
-            "|---|---|---|---|---|---|---|---|",
-            *rows, ""]
+def stale_line(results: Path, sec: Section) -> str:
+    """The visible stale line of a section ('' when every record matches today's defaults)."""
+    reasons: list[str] = []
+    for rec in records(results, sec):
+        reasons += [r for r in stale_reasons(rec, command_overrides(sec.commands)) if r not in reasons]
+    return f"**Stale:** made with {', '.join(reasons)}. Rerun its command to refresh it." if reasons else ""
 
 
 def _settings(run: dict) -> str:
     keys = [("dataset", "dataset"), ("split", "split"), ("limit", "prompts"), ("max_new_tokens", "new tokens"),
-            ("temperature", "T"), ("dtype", "dtype"), ("torch_threads", "threads"), ("measured_c", "measured c")]
+            ("temperature", "T"), ("dtype", "dtype"), ("torch_threads", "threads"), ("threads", "threads"),
+            ("measured_c", "measured c")]
     parts = []
     for k, label in keys:
         if run.get(k) is not None:
@@ -211,77 +186,173 @@ def _settings(run: dict) -> str:
     return "; ".join(parts) + (f" — {where}" if where else "")
 
 
-def build(results: Path, bar: dict | None, study: Study | None = None) -> str:
-    """results/README.md's text; `bar` is disco_bar's result (None when table 1 has not been run)."""
+# ------------------------------------------------------------------------------------------------ the bar, the headline
+
+
+BAR_NAMES = {"replay_ratio": "replay ratio", "gap_closed": "gap closed", "wall_ratio": "wall-clock ratio",
+             "auroc_gain": "AUROC gain"}
+
+
+def _ci(x: float, ci, digits: int = 3) -> str:
+    return f"{x:.{digits}f} [{ci[0]:.{digits}f}, {ci[1]:.{digits}f}]"
+
+
+def bar_verdict(bar: dict, t: dict) -> dict[str, bool]:
+    """Each of issue 16's bars (conf/study.yaml `bar`) against bar.json."""
+    r, w, a = bar["replay"], bar.get("wall") or {}, bar["auroc"]
+    return {"replay_ratio": r["ratio"] >= float(t["replay_ratio"]) and r["ratio_ci"][0] > 1.0,
+            "gap_closed": r.get("gap_closed", float("nan")) >= float(t["gap_closed"]),
+            "wall_ratio": bool(w) and w["ratio"] >= float(t["wall_ratio"]),
+            "auroc_gain": a["head"] - a["max_q"] >= float(t["auroc_gain"])}
+
+
+def bar_table(bar: dict, t: dict) -> list[str]:
+    """bar.json as a table: the bar's four rows, then the carry-over to other prompt sets."""
+    r, w, a = bar["replay"], bar.get("wall"), bar["auroc"]
+    ok = bar_verdict(bar, t)
+    yes = {True: "yes", False: "no"}
+    lines = [f"Best learned `{r['best_learned']}` ÷ best training-free `{r['best_training_free']}` "
+             f"({bar['settings']['interval']}):", "",
+             "| bar | measured [95% CI] | target | met |", "|---|---|---|---|",
+             f"| replay: speedup ratio ({r['prompts']} prompts) | {_ci(r['ratio'], r['ratio_ci'])} | "
+             f"≥ {t['replay_ratio']}, interval above 1.0 | {yes[ok['replay_ratio']]} |"]
+    if "gap_closed" in r:
+        lines.append(f"| replay: share of the static K-opt → oracle gap closed | "
+                     f"{_ci(r['gap_closed'], r['gap_closed_ci'], 2)} | ≥ {t['gap_closed']} | {yes[ok['gap_closed']]} |")
+    if w:
+        lines.append(f"| wall clock: the same two methods ({w['prompts']} prompts) | {_ci(w['ratio'], w['ratio_ci'])} "
+                     f"| ≥ {t['wall_ratio']} | {yes[ok['wall_ratio']]} |")
+    lines += [f"| test AUROC: head − max q | {a['head'] - a['max_q']:+.3f} ({a['head']:.3f} vs {a['max_q']:.3f}; "
+              f"−H_q {a['neg_entropy']:.3f}) | ≥ +{t['auroc_gain']} | {yes[ok['auroc_gain']]} |", ""]
+    carry = bar.get("carry_over") or {}
+    if carry:
+        lines += ["Carried over with the MBPP-validation choices (cost model):", "",
+                  f"| replay | group | prompts | best training-free there | `{r['best_learned']}` ÷ "
+                  f"`{r['best_training_free']}` |", "|---|---|---|---|---|"]
+        for name, c in carry.items():
+            for g, v in c["groups"].items():
+                lines.append(f"| {name} | {g} | {v['prompts']} | {v['best_training_free_here']} | {v['ratio']:.3f} |")
+        lines.append("")
+    return lines
+
+
+def _load(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def headline(results: Path, study: Study | None = None) -> str:
+    """README.md's results block: wall-clock and cost-model speedups per method, then the bar's verdict."""
+    from decode.report import speedup_intervals
+
     study = study or load_study()
-    lines = ["# Study results", "",
-             "Written by `python -m eval.study` from the folders below; every table is the output of the command above "
-             "it (decode writes summary.json/summary.md, the analysis commands the rest). Speedup = tokens/s ÷ target-"
-             "only tokens/s measured in the same process on the same prompts (prefill included); ± = std of per-prompt "
-             "speedups. Oracle rows read the target-only output: an upper bound, not a method. Heads: "
-             "`results/heads/` (see `results/heads/*.results.json` for their test metrics and training data).", ""]
-    if bar is not None:
-        verdict = "meets" if all(bar["passes"].values()) else "does NOT meet"
-        lines += ["## The bar (MBPP test, default pair, CPU)", "",
-                  f"Best learned head `{bar['best_learned']}`: {bar['best_learned_speedup']:.2f}× — "
-                  f"{_bar_line(bar, study.bar)}. The head **{verdict}** the bar (results/disco_mbpp/bar.json).", ""]
-    for sec in study.sections:
-        lines += _section(results, sec)
-    lines += repro_section(results, study.reruns)
-    return "\n".join(lines) + "\n"
+    h = study.headline
+    wall, bar_path, replay = results / h["wall"], results / h["bar"], results / h["replay"]
+    if not ((wall / "summary.json").is_file() and bar_path.is_file()):
+        return "No results yet: run the commands of results/README.md, then `python -m eval.study`.\n"
+    summary, run, bar = _load(wall / "summary.json"), _load(wall / "run.json"), _load(bar_path)
+    rows = [json.loads(x) for x in (wall / "prompts.jsonl").read_text().splitlines()] \
+        if (wall / "prompts.jsonl").is_file() else []
+    cost = bar["replay"]["speedup"]
+    keys = [k for k in summary if k != "target"]
+    ci = speedup_intervals(rows, keys)
+    order = ["target", *sorted(cost, key=lambda k: -cost[k]), *(k for k in keys if k not in cost)]
+    lines = [f"Default pair `{run.get('pair')}`, MBPP test prompts, greedy, batch 1; {run.get('machine')}, "
+             f"{str(run.get('dtype')).removeprefix('torch.')}, {run.get('date')}. Speedup over target-only decoding "
+             "of the same prompts; [95% bootstrap interval over prompts].", "",
+             f"| method | wall clock, default parameters (`results/{h['wall']}`, {run.get('limit')} prompts × "
+             f"{run.get('max_new_tokens')} tokens) | cost model, tuned on validation (`results/{h['replay']}`, "
+             f"{bar['replay']['prompts']} prompts) |", "|---|---|---|"]
+    for k in order:
+        name = k + (" (upper bound)" if k == "oracle" else "")
+        if k == "target":
+            tps = summary.get("target", {}).get("tokens_per_s")
+            lines.append(f"| target-only | 1.00 ({tps:.1f} tok/s) | 1.000 |")
+            continue
+        w = summary.get(k, {}).get("speedup")
+        wcell = "–" if w is None else (f"{w:.2f} [{ci[k][0]:.2f}, {ci[k][1]:.2f}]" if k in ci else f"{w:.2f}")
+        lines.append(f"| {name} | {wcell} | {'–' if k not in cost else f'{cost[k]:.3f}'} |")
+    ok = bar_verdict(bar, study.bar)
+    r, w, a = bar["replay"], bar.get("wall") or {}, bar["auroc"]
+    lines += ["", f"Best learned ÷ best training-free (`{r['best_learned']}` ÷ `{r['best_training_free']}`, "
+              f"`results/{h['bar']}`): replay {_ci(r['ratio'], r['ratio_ci'])} (bar ≥ {study.bar['replay_ratio']}), "
+              f"gap to the oracle closed {_ci(r['gap_closed'], r['gap_closed_ci'], 2)} (bar ≥ {study.bar['gap_closed']})"
+              + (f", wall clock {_ci(w['ratio'], w['ratio_ci'])} on {w['prompts']} prompts "
+                 f"(bar ≥ {study.bar['wall_ratio']})" if w else "")
+              + f"; test AUROC {a['head']:.3f} vs max q {a['max_q']:.3f}. "
+              + ("Meets the bar." if all(ok.values()) else
+                 f"Does **not** meet the bar (short: {', '.join(BAR_NAMES[k] for k, v in ok.items() if not v)}).")]
+    stale = [s for s in (stale_line(results, sec) for sec in study.sections
+                         if sec.folder in (h["wall"], h["replay"])) if s]
+    lines += [""] + stale[:1] + ([""] if stale else [])
+    lines += ["Every table with its command, machine and date: [results/README.md](results/README.md); what they "
+              "show: [docs/findings.md](docs/findings.md).", ""]
+    return "\n".join(lines)
 
 
-def _section(results: Path, sec: Section) -> list[str]:
-    """A section's title, command, settings, chosen parameters, tables, plots and notes ("Not run yet." without
-    its folder)."""
-    folder, d = sec.folder, results / sec.folder
-    lines = [f"## {sec.title}", "", f"`{sec.command}`", ""]
+# ------------------------------------------------------------------------------------------------ results/README.md
+
+
+def _section(results: Path, sec: Section, study: Study) -> list[str]:
+    """A section's title, commands, settings, stale line, chosen parameters, tables, plots and note."""
+    d = results / sec.folder
+    lines = [f"## {sec.title}", "", "```bash", *sec.commands, "```", ""]
     if not d.is_dir():
         return lines + ["Not run yet.", ""]
-    run_json = d / "run.json"
-    if not run_json.is_file():
-        sub = sorted(d.glob("*/run.json"))
-        run_json = sub[0] if sub else run_json
-    if run_json.is_file():
-        lines += [f"Settings: {_settings(json.loads(run_json.read_text()))}", ""]
-    tuned = d / "tuned.json"
-    if tuned.is_file():
-        chosen = json.loads(tuned.read_text())["chosen"]
+    recs = sorted(records(results, sec), key=lambda r: not r.get("machine"))
+    lines += [f"Settings: {_settings(recs[0]) if recs else 'not recorded in these files'}", ""]
+    stale = stale_line(results, sec)
+    if stale:
+        lines += [stale, ""]
+    if not sec.only and (d / "tuned.json").is_file() and (d / "run.json").is_file():
+        chosen = json.loads((d / "tuned.json").read_text())["chosen"]
         lines += ["Chosen on validation: " + "; ".join(f"{k} {v}" for k, v in chosen.items() if v), ""]
+    if sec.render == "bar" and (d / "bar.json").is_file():
+        lines += bar_table(json.loads((d / "bar.json").read_text()), study.bar)
     for t in sec.tables:
         if (d / t).is_file():
             lines += [(d / t).read_text().strip().replace("### ", "#### "), ""]
     for p in sec.plots:
         if (d / p).is_file():
-            lines += [f"![{folder} {p}]({folder}/{p})", ""]
-    notes = d / "NOTES.md"
-    if notes.is_file():
-        lines += [notes.read_text().strip(), ""]
+            lines += [f"![{sec.folder} {p}]({sec.folder}/{p})", ""]
+    if sec.notes:
+        lines += [sec.notes, ""]
     return lines
 
 
-BEGIN, END = "<!-- study:begin (python -m eval.study) -->", "<!-- study:end -->"
-
-
-def headline(results: Path, bar: dict | None, study: Study | None = None) -> str:
-    """The block eval.study keeps in the top-level README: the DISCO table and the bar, linking the rest."""
+def build(results: Path, study: Study | None = None) -> str:
+    """results/README.md's text."""
     study = study or load_study()
-    d = results / "disco_mbpp"
-    if bar is None or not (d / "summary.md").is_file():
-        return "The study has not been run yet: see results/README.md for the commands.\n"
-    run = json.loads((d / "run.json").read_text()) if (d / "run.json").is_file() else {}
-    verdict = "meets" if all(bar["passes"].values()) else "does **not** meet"
-    command = next(s.command for s in study.sections if s.folder == "disco_mbpp")
-    return "\n".join([
-        f"**DISCO table, MBPP test** (`{command}`; {_settings(run)}). Parameters "
-        "and head thresholds chosen for speed on MBPP validation (`results/disco_mbpp/tuned.json`).", "",
-        (d / "summary.md").read_text().strip().replace("### ", "#### "), "",
-        f"Best learned head `{bar['best_learned']}` {bar['best_learned_speedup']:.2f}×: {_bar_line(bar, study.bar)}. It "
-        f"{verdict} the issue's bar.", "",
-        "Every other study table (HumanEval transfer, table 1 on an AMD CPU and on an H100, the heads against the "
-        "training-free scores as classifiers, the cost-model replay with heads of known AUROC, Spec-Bench per task "
-        "greedy and T=1, temperature sweep, K sweep vs prediction, draft scale, SPRINTER τ with its TVD prediction, "
-        "Qwen expensive draft, and the reproducibility check of rerun rows) with its command, machine and date: [results/README.md](results/README.md).", ""])
+    lines = ["# Results", "",
+             "Written by `python -m eval.study` from the folders below, which conf/study.yaml lists: each section is "
+             "the latest run of the command above it. Speedup = tokens/s ÷ target-only tokens/s measured in the same "
+             "process on the same prompts (prefill included); ± in the tables = std of per-prompt speedups; the bars "
+             "of speedup.png carry 95% bootstrap intervals over prompts. Oracle rows read the target-only output: an "
+             "upper bound, not a method. **Stale** marks a table whose pair, draft or code settings differ from "
+             "today's defaults of its pair (conf/pair/): rerun its command to refresh it. Heads: "
+             "`models/weights/heads/` (each `<name>.json` holds the command that made it and its test metrics). "
+             "What the tables show: [docs/findings.md](../docs/findings.md).", ""]
+    for sec in study.sections:
+        lines += _section(results, sec, study)
+    other = [f"- [`{k}/`]({k}/): `{v}`" for k, v in study.elsewhere.items() if (results / k).is_dir()]
+    if other:
+        lines += ["## Other folders", "", "Written by the commands named here; their tables are linked from "
+                  "[docs/performance.md](../docs/performance.md) and [docs/findings.md](../docs/findings.md).", "",
+                  *other, ""]
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def redraw(results: Path) -> list[Path]:
+    """speedup.png and acceptance_by_position.png of every decode folder, from its summary.json and prompts.jsonl."""
+    from decode.report import plots
+
+    done = []
+    for s in sorted(results.rglob("summary.json")):
+        d = s.parent
+        if (d / "prompts.jsonl").is_file() and (d / "run.json").is_file():
+            rows = [json.loads(x) for x in (d / "prompts.jsonl").read_text().splitlines()]
+            plots(json.loads(s.read_text()), rows, d)
+            done.append(d)
+    return done
 
 
 def update_readme(readme: Path, block: str) -> None:
@@ -293,20 +364,27 @@ def update_readme(readme: Path, block: str) -> None:
     readme.write_text(head + BEGIN + "\n" + block + END + tail)
 
 
+def readme_block(readme: Path) -> str:
+    """The text between the study markers of a README (what update_readme last wrote)."""
+    text = readme.read_text()
+    if BEGIN not in text or END not in text:
+        raise UserError(f"{readme} has no {BEGIN} … {END} block")
+    return text.split(BEGIN, 1)[1].split(END, 1)[0].removeprefix("\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", type=Path, default=REPO / "results")
     ap.add_argument("--readme", type=Path, default=REPO / "README.md", help="top-level README with the study block")
-    ap.add_argument("--manifest", type=Path, default=MANIFEST, help="the study's sections, reruns and bar")
+    ap.add_argument("--manifest", type=Path, default=MANIFEST, help="the study's sections, headline and bar")
+    ap.add_argument("--no-plots", action="store_true", help="write the Markdown only, not the decode plots")
     args = ap.parse_args()
     study = load_study(args.manifest)
-    disco = args.results / "disco_mbpp"
-    # the bootstrap takes seconds: once
-    bar = disco_bar(disco, study.bar) if (disco / "summary.json").is_file() else None
-    text = build(args.results, bar, study)
-    (args.results / "README.md").write_text(text)
-    update_readme(args.readme, headline(args.results, bar, study))
-    print(f"wrote {args.results / 'README.md'} and the study block of {args.readme}")
+    if not args.no_plots:
+        print(f"redrew the plots of {len(redraw(args.results))} decode folders")
+    (args.results / "README.md").write_text(build(args.results, study))
+    update_readme(args.readme, headline(args.results, study))
+    print(f"wrote {args.results / 'README.md'} and the results block of {args.readme}")
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ def fake_training_run(root, kind: str, pair, seed: int = 0, pair_id: str | None 
     from data_gen.store import load_traces
     from models.features import FeatureSpec
     from models.heads import CKPT_KEY, HeadBundle, build_head
-    from data_gen.store import split_cfg
+    from data_gen.contract import split_cfg
 
     cfg = compose_cfg("train", [f"trace_root={root / 'traces'}", "batch_size=4", *TRAIN_OVERRIDES[kind]])
     _, manifest = load_traces(generate(split_cfg(cfg, "test"), "test", pair))
@@ -72,7 +72,7 @@ def independent_auroc(ckpt, root):
     from data_gen.store import load_traces
     from models.features import features_from_columns
     from models.heads import load_head
-    from data_gen.store import trace_columns
+    from data_gen.contract import trace_columns
 
     bundle = load_head(ckpt)
     folder = next((root / "traces").glob("*target_ar*--test*"))
@@ -169,65 +169,37 @@ def test_bad_inputs_are_one_line(runs, tmp_path, tiny_pair, cli):
         assert not (tmp_path / name.replace(" ", "_")).exists(), name
 
 
-def test_study_bar_check_and_report(tmp_path):
-    """eval.study computes the issue's bar from a DISCO summary (ratios, share of the static→oracle gap) and writes a
-    results README that lists missing sections as not run."""
-    from eval.study import bar_check, build, disco_bar
+def test_study_report_and_stale_line(tmp_path):
+    """eval.study writes a section per folder with its command; a section whose folder is missing says so, and a
+    table made with other pair settings than today's defaults gets a stale line naming them (a setting the
+    section's own command sets is not stale)."""
+    from eval.study import Section, Study, build, stale_reasons
 
-    summary = {"target": {"speedup": 1.0}, "static_opt": {"speedup": 1.0}, "svip": {"speedup": 1.16},
-               "adaedl": {"speedup": 1.0}, "oracle": {"speedup": 1.3},
-               "learned:a": {"speedup": 1.2}, "learned:b": {"speedup": 1.15}}
-    bar = bar_check(summary)
-    assert bar["best_learned"] == "learned:a"
-    assert bar["vs_static_opt"] == pytest.approx(1.2) and bar["oracle_gap_closed"] == pytest.approx(2 / 3)
-    assert bar["passes"] == {"vs_static_opt>=1.10": True, "vs_svip>=1.05": False, "vs_adaedl>=1.05": True,
-                             "oracle_gap_closed>=0.5": True}
-    (tmp_path / "disco_mbpp").mkdir()
-    (tmp_path / "disco_mbpp" / "summary.json").write_text(json.dumps(summary))
-    text = build(tmp_path, disco_bar(tmp_path / "disco_mbpp"))
-    assert "does NOT meet" in text and "Not run yet." in text
-    assert json.loads((tmp_path / "disco_mbpp" / "bar.json").read_text())["best_learned"] == "learned:a"
-
-
-def test_study_bar_intervals(tmp_path):
-    """The bar's bootstrap intervals resample prompts jointly for all methods: a head 1.2× faster than static K-opt
-    on every prompt gets a tight interval around 1.2 (the per-prompt noise is shared), one that is faster on half the
-    prompts and slower on the rest gets an interval that contains 1."""
-    from eval.study import bar_intervals
-
-    rng = np.random.default_rng(0)
-    base = rng.uniform(2.0, 6.0, size=24)  # static K-opt's per-prompt wall seconds
-    walls = {"target": base * 1.3, "static_opt": base, "svip": base, "adaedl": base * 1.05, "oracle": base / 1.5,
-             "learned:steady": base / 1.2, "learned:mixed": base * np.where(np.arange(24) % 2 == 0, 0.7, 1.4)}
-    lines = [json.dumps({"method": m, "prompt_id": f"p{i}", "new_tokens": 64, "wall_s": float(w[i])})
-             for m, w in walls.items() for i in range(24)]
-    (tmp_path / "prompts.jsonl").write_text("\n".join(lines) + "\n")
-    steady = bar_intervals(tmp_path / "prompts.jsonl", {"best_learned": "learned:steady"}, n_resamples=500)
-    mixed = bar_intervals(tmp_path / "prompts.jsonl", {"best_learned": "learned:mixed"}, n_resamples=500)
-    assert steady["vs_static_opt"] == pytest.approx([1.2, 1.2], abs=1e-6) and steady["n_prompts"] == 24
-    lo, hi = mixed["vs_static_opt"]
-    assert lo < 1.0 < hi and hi - lo > 0.2
-    (tmp_path / "prompts.jsonl").write_text(lines[0] + "\n")
-    with pytest.raises(UserError, match="rerun study/disco_mbpp"):
-        bar_intervals(tmp_path / "prompts.jsonl", {"best_learned": "learned:steady"})
+    run = {"pair": "smollm2_135m", "device": "cpu", "dtype": "torch.float32", "machine": "m", "date": "d",
+           "draft": {"vocab_subset": 8192, "quantize": "int8"}, "linear": "packed", "forward": {"draft": "lean"}}
+    assert stale_reasons(run) == []
+    old = {**run, "draft": {"vocab_subset": None}, "linear": None, "forward": None}
+    reasons = stale_reasons(old)
+    assert any(r.startswith("draft.vocab_subset=null") for r in reasons) and len(reasons) == 4
+    assert len(stale_reasons(old, {"pair.draft.quantize", "pair.linear"})) == 2
+    assert stale_reasons({**run, "pair": "gone"}) == ["pair gone, which conf/pair/ no longer defines"]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "run.json").write_text(json.dumps(old))
+    (tmp_path / "a" / "summary.md").write_text("### table\n| x |\n")
+    study = Study((Section("a", "A", ("python -m decode out_dir=results/a",), ("summary.md",)),
+                   Section("b", "B", ("python -m decode out_dir=results/b",))))
+    text = build(tmp_path, study)
+    assert "python -m decode out_dir=results/a" in text and "#### table" in text and "Not run yet." in text
+    assert "**Stale:** made with draft.vocab_subset=null (today 8192)" in text
 
 
-def test_study_repro_check():
-    """A rerun row counts as reproduced when its speedup lies within the original row's ± spread."""
-    from eval.study import repro_check
+def test_study_owner_of_a_results_file():
+    """Each file under results/ belongs to the deepest section folder above it; `only` sections claim their files."""
+    from eval.study import Section, Study, owner
 
-    original = {"target": {"speedup": 1.0}, "svip": {"speedup": 1.2, "speedup_std": 0.1, "mean_accepted_length": 1.9},
-                "learned": {"speedup": 1.3, "speedup_std": 0.05}}
-    rerun = {"target": {"speedup": 1.0}, "svip": {"speedup": 1.25, "mean_accepted_length": 1.8},
-             "learned": {"speedup": 1.2}, "new": {"speedup": 2}}
-    out = repro_check(original, rerun)
-    assert set(out) == {"svip", "learned"}
-    assert out["svip"]["within"] is True and out["learned"]["within"] is False
-    assert out["svip"]["mean_accepted_length"] == [1.9, 1.8] and out["learned"]["mean_accepted_length"] == [None, None]
-    # a head run alone (key `learned`) is matched to its row `learned:<stem>` in a table that listed two heads
-    original["learned:disco"] = original.pop("learned")
-    rerun["learned"]["params"] = {"ckpt": "results/heads/disco.ckpt"}
-    assert repro_check(original, rerun)["learned"]["original"] == 1.3
+    s = Study((Section("x", "", ()), Section("x", "", (), only=("a.json",)), Section("x/y", "", ())))
+    assert owner(s, "x/a.json") is s.sections[1] and owner(s, "x/b.json") is s.sections[0]
+    assert owner(s, "x/y/z/c.png") is s.sections[2] and owner(s, "w/c.png") is None
 
 
 def test_study_block_in_readme(tmp_path):
@@ -245,17 +217,15 @@ def test_study_block_in_readme(tmp_path):
 
 
 def test_study_manifest_names_existing_experiments():
-    """conf/study.yaml is the study's list of commands: every decode/replay experiment it names is a file in
-    conf/experiment/study/, every rerun pair names two of its sections, and the bar has the four ratios."""
+    """conf/study.yaml is the list of result commands: every experiment it names is a file, a decoding study
+    (conf/experiment/study/) for decode and eval.replay, a head's for train; the bar has issue 16's four thresholds."""
     import re
 
     from eval.study import load_study
     from utils.cli import CONF_DIR
 
     study = load_study()
-    named = {m for s in study.sections for m in re.findall(r"\+experiment=(\S+)", s.command)}
-    assert named and all((CONF_DIR / "experiment" / f"{n}.yaml").is_file() for n in named), named
-    assert all(n.startswith("study/") for n in named)
-    folders = {s.folder for s in study.sections}
-    assert all(a in folders and b in folders for a, b in study.reruns)
-    assert set(study.bar) == {"vs_static_opt", "vs_svip", "vs_adaedl", "oracle_gap_closed"}
+    named = {(m, c.split()[2]) for s in study.sections for c in s.commands for m in re.findall(r"\+experiment=(\S+)", c)}
+    assert named and all((CONF_DIR / "experiment" / f"{n}.yaml").is_file() for n, _ in named), named
+    assert all(n.startswith("study/") == (stage in ("decode", "eval.replay")) for n, stage in named), named
+    assert set(study.bar) == {"replay_ratio", "gap_closed", "wall_ratio", "auroc_gain"}
