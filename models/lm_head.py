@@ -8,7 +8,7 @@ On the CPUs we measured, torch's `F.linear` is slow there in both dtypes, for tw
 - bfloat16 goes to oneDNN, which reorders the weight into its blocked layout on *every* call (about half the time).
 `PackedLinear` reorders each weight once (`torch.ops.mkldnn._reorder_linear_weight`, the path torch's inductor
 takes for frozen CPU linears) and multiplies with oneDNN: the head takes 3.1-5.4 ms for n = 1..9 in float32 (F.linear
-10-35 ms) and 2.3-3.1 ms in bf16 (F.linear 3.6-5.8), bench/results/head_gemm.md. It is the same product bit for bit
+10-35 ms) and 2.3-3.1 ms in bf16 (F.linear 3.6-5.8), results/bench/head_gemm.md. It is the same product bit for bit
 as `F.linear` in bf16; float32 differs from MKL's in the last bits (~1e-6 relative) and gives the same bits for a
 row alone or in a batch, so a K-token verification sees the numbers K single steps would. `pair.linear=auto` packs on CPU when torch has oneDNN; `torch` keeps torch's own product. Both the
 target-only baseline and speculative decoding run the same modules, so every method pays the same.
@@ -45,14 +45,23 @@ def packed_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(ops, "_linear_pointwise") and hasattr(ops, "_reorder_linear_weight")
 
 
-def resolve_linear(name: str, device: torch.device) -> str:
-    """`auto`: `packed` on CPU when oneDNN is there, else `torch` (CUDA's own GEMMs have no such cliff)."""
+def packed_bf16_available() -> bool:
+    """Whether oneDNN can pack bf16 weights on this CPU (it needs avx512bw/vl/dq or avx_ne_convert; some AMD EPYC
+    VMs lack them and the reorder raises)."""
+    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(probe()) if probe is not None else False
+
+
+def resolve_linear(name: str, device: torch.device, dtype: torch.dtype | None = None) -> str:
+    """`auto`: `packed` on CPU when oneDNN is there (for bf16: when it can pack bf16 here), else `torch` (CUDA's own
+    GEMMs have no such cliff)."""
     if name not in LINEARS:
         raise UserError(f"pair.linear must be one of {', '.join(LINEARS)}, got '{name}'")
-    usable = device.type == "cpu" and packed_available()
+    usable = device.type == "cpu" and packed_available() and (dtype != torch.bfloat16 or packed_bf16_available())
     if name == "packed" and not usable:
         raise UserError("pair.linear=packed needs a CPU device and a torch build with oneDNN "
-                        "(torch.backends.mkldnn); use pair.linear=auto or pair.linear=torch")
+                        "(torch.backends.mkldnn), and for bf16 a CPU oneDNN can pack bf16 on; use pair.linear=auto "
+                        "or pair.linear=torch")
     return "torch" if name == "torch" else ("packed" if usable else "torch")
 
 

@@ -424,7 +424,7 @@ def load_pair(cfg: DictConfig | str) -> Pair:
         draft = reduce_draft_vocab(draft, tok, cfg.draft, vocab)
     if quantize:
         quantize_linears(draft, keep={id(p) for p in target.parameters()})
-    linear = resolve_linear(str(cfg.get("linear", "auto")), device)
+    linear = resolve_linear(str(cfg.get("linear", "auto")), device, dtype)
     if linear == "packed":
         pack_linears(target)
         pack_linears(draft)

@@ -118,10 +118,14 @@ def test_shipped_student_is_the_default_draft():
 
     head = pair.draft.lm_head
     assert isinstance(head, SubsetHead) and cfg.draft.vocab_subset <= len(head.ids) < cfg.draft.vocab_subset + 64
-    assert cfg.draft.quantize == "int8" and isinstance(head.proj, Int8Linear)
+    assert cfg.draft.quantize == "int8"
     rows = pair.target.lm_head.weight[head.ids].float()
-    deq = head.proj.qweight.float() * head.proj.scale.float()[:, None]
-    assert bool(((deq - rows).abs().amax(1) <= 0.51 * head.proj.scale.float()).all())
+    if pair.dtype == torch.bfloat16:  # int8 applies where its kernel is fast (bf16 on CPU); float32 keeps the rows
+        assert isinstance(head.proj, Int8Linear)
+        deq = head.proj.qweight.float() * head.proj.scale.float()[:, None]
+        assert bool(((deq - rows).abs().amax(1) <= 0.51 * head.proj.scale.float()).all())
+    else:
+        assert torch.equal(head.proj.weight.float(), rows)
     assert pair.draft.get_input_embeddings() is pair.target.get_input_embeddings()
     text = ('"""Write a function to find the maximum of two numbers.\nassert max_of_two(3, 5) == 5\n"""\n'
             "def max_of_two(a, b):\n    if a > b:\n        return a\n    else:\n        return b\n\n"

@@ -16,8 +16,8 @@ from decode.loop import autoregressive, speculative
 from decode.metrics import cost_model_speedup
 from decode.policies import build_policy
 from models.cost import CostProfile, get_profile, modeled_ms
-from models.lm_head import packed_available
-from models.features import draft_probs
+from models.lm_head import packed_available, packed_bf16_available
+from models.distributions import draft_probs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -134,7 +134,8 @@ needs_onednn = pytest.mark.skipif(not packed_available(), reason="this torch bui
 
 
 @needs_onednn
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    not packed_bf16_available(), reason="oneDNN cannot pack bf16 on this CPU"))])
 def test_packed_linear_equals_linear_and_is_batch_invariant(dtype):
     """The packed product is F.linear's (bit for bit in bf16, to rounding in float32), and a row gives the same bits
     alone and inside a batch: a K-token verification sees exactly what K single steps would."""
@@ -211,6 +212,11 @@ def test_linear_setting_resolves_per_device(monkeypatch):
         lm_head.resolve_linear("packed", torch.device("cuda"))
     with pytest.raises(UserError, match="must be one of"):
         lm_head.resolve_linear("fast", torch.device("cpu"))
+    monkeypatch.setattr(lm_head, "packed_bf16_available", lambda: False)  # a CPU oneDNN cannot pack bf16 on
+    assert lm_head.resolve_linear("auto", torch.device("cpu"), torch.bfloat16) == "torch"
+    assert lm_head.resolve_linear("auto", torch.device("cpu"), torch.float32) == "packed"
+    with pytest.raises(UserError, match="pack bf16"):
+        lm_head.resolve_linear("packed", torch.device("cpu"), torch.bfloat16)
     monkeypatch.setattr(lm_head, "packed_available", lambda: False)
     assert lm_head.resolve_linear("auto", torch.device("cpu")) == "torch"
 
