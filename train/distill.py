@@ -100,7 +100,7 @@ def generate_continuations(pair: Pair, texts: list[str], max_new_tokens: int, ba
     """The target's continuations of `texts` (batched, KV cache) with its top-k probabilities at every new token
     (train.distill_data.generate, the one batched generator).
 
-    Returns items {ids: prompt+continuation (int32), start: prompt length, vals, idx: (n_new, k)}; a continuation
+    Returns items {ids: prompt+continuation (int32), start: prompt length, vals, idx: (n_new, k), index}; a continuation
     ends after the first EOS. Prompts longer than max_len - max_new_tokens are skipped, not cut (a cut chat prompt
     is not what decoding sees).
     """
@@ -108,15 +108,14 @@ def generate_continuations(pair: Pair, texts: list[str], max_new_tokens: int, ba
 
     tok = pair.tokenizer
     enc = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
-    enc = [e for e in enc if 0 < len(e) <= max_len - max_new_tokens]
-    order = sorted(range(len(enc)), key=lambda i: len(enc[i]))
+    order = sorted((i for i, e in enumerate(enc) if 0 < len(e) <= max_len - max_new_tokens), key=lambda i: len(enc[i]))
     out = []
     for b in tqdm(range(0, len(order), batch_size), desc=desc, unit="batch"):
-        rows = [enc[i] for i in order[b : b + batch_size]]
-        for e, o in zip(rows, generate(pair, rows, temperature, max_new_tokens, topk, seed + b)):
-            if o["cont"]:
-                out.append({"ids": torch.tensor(e + o["cont"], dtype=torch.int32), "start": len(e),
-                            "vals": o["vals"], "idx": o["idx"]})
+        idx = order[b : b + batch_size]
+        for i, o in zip(idx, generate(pair, [enc[i] for i in idx], temperature, max_new_tokens, topk, seed + b)):
+            if o["cont"]:  # `index`: the text's position in `texts` (items come in length order)
+                out.append({"ids": torch.tensor(enc[i] + o["cont"], dtype=torch.int32), "start": len(enc[i]),
+                            "vals": o["vals"], "idx": o["idx"], "index": i})
     return out
 
 

@@ -347,6 +347,11 @@ def run(cfg: DictConfig) -> Path:
     pcfg = OmegaConf.create(OmegaConf.to_container(cfg.pair, resolve=True))
     pcfg.draft = OmegaConf.create({"source": "layer_subset", "layers": [0]})  # only the target runs here
     pair = load_pair(pcfg)
+    if cfg.gen_prompts.enabled and int(cfg.num_shards) > 1 and int(cfg.shard_id) != 0:
+        done, planned = len(dp.read_generated(Path(str(cfg.gen_prompts.path)))), len(_gen_requests(cfg))
+        if done < planned:  # one writer for the shared jsonl; the other shard jobs plan from its finished state
+            raise UserError(f"{cfg.gen_prompts.path} has {done} of {planned} generated prompts; finish them first with "
+                            "shard_id=0 (or num_shards=1), then start the other shard jobs")
     generated = make_generated_prompts(cfg, pair) if cfg.gen_prompts.enabled else []
     prompts = all_prompts(cfg, generated)
     groups = _plan(cfg, prompts)
