@@ -1,7 +1,7 @@
 """What a stop head's lead over the best training-free rule depends on: the cost of a draft step (issue 16).
 
-    python bench/cost_sweep.py [--scales 0.5 1 1.5 2 3 4] [--profile results/stop_heads/profile.json]
-                               [--out results/stop_heads]
+    python -m bench.cost_sweep [scales=[0.5,1,1.5,2,3,4]] [cost_profile=results/stop_heads/profile.json]
+                               [out_dir=results/stop_heads] [work=DIR] [n_resamples=2000]
 
 Replays results/stop_heads' study (conf/experiment/study/stop_heads.yaml: every policy and head tuned on MBPP
 validation, replayed on the 500 test prompts) under the measured cost profile with every draft time multiplied by
@@ -9,23 +9,21 @@ each scale (`replay.draft_scale`: the target's verification curve stays as measu
 each time, so what changes is only what a drafted token costs, i.e. what a wrong stop decision costs. Per scale:
 c, the best learned and best training-free speedups, their ratio and the share of the static-K-opt → oracle gap the
 best learned method closes, with eval.bar's paired bootstrap intervals. Writes cost_sweep.json / .md / .png under
---out; each replay's own folder goes under --work (default: a temporary directory).
+out_dir; each replay's own folder goes under `work` (default: a temporary directory).
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from omegaconf import DictConfig
 
-from eval.bar import replay_bar  # noqa: E402
-from utils.cli import UserError, fail, run_stage  # noqa: E402
-from utils.files import write_result  # noqa: E402
+from bench import command, repo_path
+from eval.bar import replay_bar
+from utils.cli import UserError, hydra_entry, run_stage
+from utils.files import write_result
 
 TRACES = "traces/smollm2_135m--mbpp--target_ar-t0-p1-n128-s0--"
 
@@ -37,11 +35,9 @@ def replay(scale: float, profile: str, out: Path) -> None:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
+    from utils.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     c = [r["c"] for r in rows]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.4))
     a1.plot(c, [r["ratio"] for r in rows], "o-", label="best learned ÷ best training-free")
@@ -62,36 +58,30 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--scales", type=float, nargs="+", default=[0.5, 1.0, 1.5, 2.0, 3.0, 4.0])
-    ap.add_argument("--profile", default="results/stop_heads/profile.json")
-    ap.add_argument("--out", default="results/stop_heads")
-    ap.add_argument("--work", default=None, help="folder for the per-scale replay folders (default: a temporary one)")
-    ap.add_argument("--n-resamples", type=int, default=2000)
-    args = ap.parse_args()
-    if not (REPO / args.profile).is_file():
-        raise UserError(f"no cost profile at {args.profile}; make one with python -m decode.profile out={args.profile}")
-    if any(s <= 0 for s in args.scales):
-        raise UserError(f"--scales must all be > 0, got {args.scales}")
-    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="cost_sweep-"))
+def run(cfg: DictConfig) -> None:
+    profile, scales = str(cfg.cost_profile), [float(s) for s in cfg.scales]
+    if not repo_path(profile).is_file():
+        raise UserError(f"no cost profile at {profile}; make one with python -m decode.profile out={profile}")
+    if any(s <= 0 for s in scales):
+        raise UserError(f"scales must all be > 0, got {scales}")
+    work = repo_path(cfg.work) if cfg.work else Path(tempfile.mkdtemp(prefix="cost_sweep-"))
     rows = []
-    for scale in sorted(args.scales):
+    for scale in sorted(scales):
         folder = work / f"scale{scale:g}"
-        replay(scale, args.profile, folder)
-        bar = replay_bar(folder, args.n_resamples)
+        replay(scale, profile, folder)
+        bar = replay_bar(folder, int(cfg.n_resamples))
         r, sp = bar["replay"], bar["replay"]["speedup"]
         rows.append({"draft_scale": scale, "c": bar["replay_settings"]["c"], "best_learned": r["best_learned"],
                      "best_training_free": r["best_training_free"], "learned": sp[r["best_learned"]],
                      "training_free": sp[r["best_training_free"]], "static_opt": sp.get("static_opt"),
                      "oracle": sp.get("oracle"), "ratio": r["ratio"], "ratio_ci": r["ratio_ci"],
                      "gap_closed": r["gap_closed"], "gap_closed_ci": r["gap_closed_ci"]})
-    out = Path(args.out)
+    out = repo_path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     plot(rows, out / "cost_sweep.png")
-    lines = [f"The stop head's lead vs the cost of a draft step (`python bench/cost_sweep.py`, "
+    lines = [f"The stop head's lead vs the cost of a draft step (`{command('cost_sweep')}`, "
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}): results/stop_heads' replay (tuned on MBPP "
-             f"validation, 500 test prompts) under `{args.profile}` with its draft times scaled "
+             f"validation, 500 test prompts) under `{profile}` with its draft times scaled "
              "(`replay.draft_scale`; scale 1 is the study itself). 95% paired bootstrap intervals over prompts.", "",
              "| draft scale | c | best learned | best training-free | static K-opt | oracle | ratio [95% CI] "
              "| gap closed [95% CI] |", "|---|---|---|---|---|---|---|---|"]
@@ -100,11 +90,8 @@ def main() -> None:
                      f"{r['training_free']:.3f} ({r['best_training_free']}) | {r['static_opt']:.3f} | "
                      f"{r['oracle']:.3f} | {r['ratio']:.3f} [{r['ratio_ci'][0]:.3f}, {r['ratio_ci'][1]:.3f}] | "
                      f"{r['gap_closed']:.2f} [{r['gap_closed_ci'][0]:.2f}, {r['gap_closed_ci'][1]:.2f}] |")
-    write_result(out, "cost_sweep", {"profile": args.profile, "rows": rows}, lines)
+    write_result(out, "cost_sweep", {"profile": profile, "rows": rows}, lines)
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except UserError as err:
-        fail(err)
+    hydra_entry("bench/cost_sweep")(run)()

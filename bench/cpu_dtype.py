@@ -1,28 +1,25 @@
 """Is bf16 worth it on this CPU? Time a batch-1 matrix-vector product and a 6-row product (a verify pass) of the
 default target's shapes in float32 and bfloat16, and say what `pair.dtype=auto` resolves to here.
 
-    python bench/cpu_dtype.py [--threads 1] [--repeats 200]
+    python -m bench.cpu_dtype [threads=1] [repeats=200] [out_dir=results/bench]
 
-Writes bench/results/cpu_dtype.json (one entry per machine name, so runs on different CPUs sit side by side) and
+Writes results/bench/cpu_dtype.json (one entry per machine name, so runs on different CPUs sit side by side) and
 prints a Markdown table. On a CPU without native bf16 instructions PyTorch emulates bf16 and the matrix-vector product,
 the whole cost of a batch-1 decoding step, is an order of magnitude slower than float32.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+import torch
+from omegaconf import DictConfig
 
-import torch  # noqa: E402
-
-from models.cost import machine  # noqa: E402
-from models.pair import cpu_has_native_bf16  # noqa: E402
+from bench import repo_path
+from models.cost import machine
+from models.pair import cpu_has_native_bf16
+from utils.cli import hydra_entry
 
 SHAPES = {"attn proj 576x576": (576, 576), "mlp up 576x1536": (576, 1536), "lm head 576x49152": (576, 49152)}
 
@@ -40,29 +37,27 @@ def best_time(rows: int, shape: tuple[int, int], dtype: torch.dtype, repeats: in
     return best
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--repeats", type=int, default=200)
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+def run(cfg: DictConfig) -> None:
+    threads, repeats = int(cfg.threads), int(cfg.repeats)
+    torch.set_num_threads(threads)
     rows = []
     for label, shape in SHAPES.items():
-        reps = max(10, args.repeats // (20 if shape[1] > 10000 else 1))
+        reps = max(10, repeats // (20 if shape[1] > 10000 else 1))
         for n in (1, 6):
             f32 = best_time(n, shape, torch.float32, reps)
             bf16 = best_time(n, shape, torch.bfloat16, reps)
             rows.append({"shape": label, "rows": n, "float32_us": 1e6 * f32, "bfloat16_us": 1e6 * bf16,
                          "bf16_over_fp32": bf16 / f32})
     name = machine()
-    entry = {"machine": name, "torch": torch.__version__, "threads": args.threads,
+    entry = {"machine": name, "torch": torch.__version__, "threads": threads,
              "auto_resolves_to": "bfloat16" if cpu_has_native_bf16() else "float32",
              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows}
-    out = REPO / "bench" / "results" / "cpu_dtype.json"
+    out = repo_path(cfg.out_dir) / "cpu_dtype.json"
     saved = json.loads(out.read_text()) if out.is_file() else {}
     saved[name] = entry
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(saved, indent=2))
-    print(f"{name}, {args.threads} thread(s): pair.dtype=auto → {entry['auto_resolves_to']}\n")
+    print(f"{name}, {threads} thread(s): pair.dtype=auto → {entry['auto_resolves_to']}\n")
     print("| product | rows | float32 µs | bfloat16 µs | bf16 / fp32 |\n|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['shape']} | {r['rows']} | {r['float32_us']:.0f} | {r['bfloat16_us']:.0f} | {r['bf16_over_fp32']:.1f} |")
@@ -70,4 +65,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    hydra_entry("bench/cpu_dtype")(run)()

@@ -1,37 +1,34 @@
 """Our speculative loop vs transformers' assisted generation at the same constant K (greedy, batch 1, same prompts).
 
-    python bench/decode_vs_transformers.py [--pair smollm2_135m] [--limit 5] [--max-new-tokens 64] [--k 5]
+    python -m bench.decode_vs_transformers [pair=smollm2_135m] [dataset=mbpp] [split=test] [limit=5]
+        [max_new_tokens=64] [k=5] [repeats=1] [threads=N] [out_dir=results/bench]
 
 transformers runs `target.generate(input_ids, assistant_model=draft, do_sample=False, max_new_tokens=M)` with the
 draft's generation_config set to num_assistant_tokens=K, num_assistant_tokens_schedule="constant",
 assistant_confidence_threshold=0 (no early stop), so both sides draft exactly K tokens per round. Ours runs
 decode.loop.speculative with the `constant` policy (k=K). Per prompt the two alternate (after one warm-up of each),
-so drift on a shared machine hits both alike. Writes bench/results/decode_vs_transformers.json with ours_s,
+so drift on a shared machine hits both alike. Writes results/bench/decode_vs_transformers.json with ours_s,
 transformers_s, ratio = ours_s / transformers_s (≤ 1 means we are at least as fast) and outputs_match.
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import platform
-import sys
 import time
-from pathlib import Path
 
 import torch
+from omegaconf import DictConfig
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from data_gen.prompts import load_prompts  # noqa: E402
-from decode.loop import autoregressive, speculative  # noqa: E402
-from decode.metrics import agreement  # noqa: E402
-from decode.policies import Constant  # noqa: E402
-from decode.run import tokenize_prompts  # noqa: E402
-from models.pair import load_pair  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
+from bench import repo_path
+from data_gen.prompts import load_prompts
+from decode.loop import autoregressive, speculative
+from decode.metrics import agreement
+from decode.policies import Constant
+from decode.run import tokenize_prompts
+from models.pair import load_pair
+from utils.cli import hydra_entry
 
 
 def sync(device):
@@ -55,21 +52,6 @@ def ours(pair, ids: list[int], k: int, max_new: int, eos: set[int]) -> tuple[lis
     return res.tokens, res.wall_s
 
 
-def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--pair", default="smollm2_135m")
-    ap.add_argument("--dataset", default="mbpp")
-    ap.add_argument("--split", default="test")
-    ap.add_argument("--limit", type=int, default=5)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--k", type=int, default=5)
-    ap.add_argument("--repeats", type=int, default=1, help="timed passes over the prompts")
-    ap.add_argument("--threads", type=int, default=None,
-                    help="torch CPU threads for both sides (1 is far faster on a busy shared CPU)")
-    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "decode_vs_transformers.json"))
-    return ap.parse_args()
-
-
 def constant_assistant(pair, k: int):
     """The draft as transformers' assistant, drafting exactly k tokens per round. The layer-subset draft shares
     modules with the target; transformers gets its own copy so nothing is shared."""
@@ -81,18 +63,18 @@ def constant_assistant(pair, k: int):
     return assistant
 
 
-def timed_rows(pair, assistant, prompts, ids, args, eos: set[int]) -> list[dict]:
-    """Both sides on every prompt, `args.repeats` times, alternating which goes first (so neither always runs on a
+def timed_rows(pair, assistant, prompts, ids, cfg, eos: set[int]) -> list[dict]:
+    """Both sides on every prompt, `cfg.repeats` times, alternating which goes first (so neither always runs on a
     just-warmed cache); rows keep both outputs under `_ours` / `_hf` for `explain_mismatches`."""
     rows = []
-    for rep in range(args.repeats):
+    for rep in range(cfg.repeats):
         for p, x in zip(prompts, ids):
             if (rep + len(rows)) % 2 == 0:
-                t_o, s_o = ours(pair, x, args.k, args.max_new_tokens, eos)
-                t_h, s_h = hf_assisted(pair, assistant, x, args.max_new_tokens, eos)
+                t_o, s_o = ours(pair, x, cfg.k, cfg.max_new_tokens, eos)
+                t_h, s_h = hf_assisted(pair, assistant, x, cfg.max_new_tokens, eos)
             else:
-                t_h, s_h = hf_assisted(pair, assistant, x, args.max_new_tokens, eos)
-                t_o, s_o = ours(pair, x, args.k, args.max_new_tokens, eos)
+                t_h, s_h = hf_assisted(pair, assistant, x, cfg.max_new_tokens, eos)
+                t_o, s_o = ours(pair, x, cfg.k, cfg.max_new_tokens, eos)
             same = t_o == t_h
             rows.append({"prompt_id": p.prompt_id, "repeat": rep, "ours_s": s_o, "transformers_s": s_h,
                          "ours_tokens": len(t_o), "transformers_tokens": len(t_h), "match": same,
@@ -103,49 +85,47 @@ def timed_rows(pair, assistant, prompts, ids, args, eos: set[int]) -> list[dict]
     return rows
 
 
-def explain_mismatches(pair, rows: list[dict], ids, args, eos: set[int]) -> None:
+def explain_mismatches(pair, rows: list[dict], ids, cfg, eos: set[int]) -> None:
     """Untimed: where the two disagree, which one equals plain greedy decoding? (bf16 near-ties can flip an argmax
     when the same positions are computed in differently shaped passes; each side is compared with its own
     target-only decoding: ours = decode.loop.autoregressive, transformers = target.generate without assistant)"""
-    for row, x in zip(rows, ids * args.repeats):
+    for row, x in zip(rows, ids * cfg.repeats):
         t_o, t_h = row.pop("_ours"), row.pop("_hf")
         if row["match"] or row["repeat"]:
             continue
-        ar = autoregressive(pair, x, args.max_new_tokens, eos=eos).tokens
-        plain, _ = hf_assisted(pair, None, x, args.max_new_tokens, eos)
+        ar = autoregressive(pair, x, cfg.max_new_tokens, eos=eos).tokens
+        plain, _ = hf_assisted(pair, None, x, cfg.max_new_tokens, eos)
         row.update(ours_equals_own_target_only=t_o == ar, transformers_equals_own_target_only=t_h == plain,
                    target_only_ours_vs_transformers_first_divergence=agreement(ar, plain)["prefix_match"])
 
 
-def main() -> None:
-    args = parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    pair = load_pair(args.pair)
-    dataset = OmegaConf.load(REPO / "conf" / "dataset" / f"{args.dataset}.yaml")
-    prompts = load_prompts(dataset, args.split, args.limit)
-    ids = tokenize_prompts(pair, prompts, args.max_new_tokens)
+def run(cfg: DictConfig) -> None:
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    pair = load_pair(cfg.pair)
+    prompts = load_prompts(cfg.dataset, cfg.split, cfg.limit)
+    ids = tokenize_prompts(pair, prompts, cfg.max_new_tokens)
     eos = pair.eos_ids
-    assistant = constant_assistant(pair, args.k)
-    warm = args.max_new_tokens  # warm-up both over the full length (cache growth, allocator, kernel choice)
+    assistant = constant_assistant(pair, cfg.k)
+    warm = cfg.max_new_tokens  # warm-up both over the full length (cache growth, allocator, kernel choice)
     hf_assisted(pair, assistant, ids[0], warm, eos)
-    ours(pair, ids[0], args.k, warm, eos)
-    rows = timed_rows(pair, assistant, prompts, ids, args, eos)
+    ours(pair, ids[0], cfg.k, warm, eos)
+    rows = timed_rows(pair, assistant, prompts, ids, cfg, eos)
     ours_s, hf_s = sum(r["ours_s"] for r in rows), sum(r["transformers_s"] for r in rows)
     match = all(r["match"] for r in rows)
-    explain_mismatches(pair, rows, ids, args, eos)
+    explain_mismatches(pair, rows, ids, cfg, eos)
     result = {
         "ours_s": ours_s,
         "transformers_s": hf_s,
         "ratio": ours_s / hf_s if hf_s else float("nan"),
         "outputs_match": bool(match),
         "pair": pair.pair_id,
-        "dataset": args.dataset,
-        "split": args.split,
+        "dataset": str(cfg.dataset.name),
+        "split": cfg.split,
         "prompts": len(prompts),
-        "max_new_tokens": args.max_new_tokens,
-        "k": args.k,
-        "repeats": args.repeats,
+        "max_new_tokens": cfg.max_new_tokens,
+        "k": cfg.k,
+        "repeats": cfg.repeats,
         "greedy": True,
         "batch_size": 1,
         "device": str(pair.device),
@@ -156,7 +136,7 @@ def main() -> None:
         "transformers": __import__("transformers").__version__,
         "per_prompt": rows,
     }
-    out = Path(args.out)
+    out = repo_path(cfg.out_dir) / "decode_vs_transformers.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(json.dumps({k: result[k] for k in ("ours_s", "transformers_s", "ratio", "outputs_match")}))
@@ -164,4 +144,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    hydra_entry("bench/decode_vs_transformers")(run)()

@@ -1,6 +1,6 @@
 """Signals the traces do not store: would they lift the stop head's AUROC (issue 16)?
 
-    python bench/extra_features.py [--out results/stop_heads]
+    python -m bench.extra_features [out_dir=results/stop_heads]
 
 The replay puts half of the static-K-opt → oracle gap at a head of AUROC ~0.95; the disco_plus features reach ~0.91.
 This probe recomputes the draft's and the target's full outputs for every row of the heads' traces (one
@@ -18,33 +18,31 @@ disco_plus features (DISCO + verify + copy + token, `models.features`):
 Each set is scored by the gradient-boosted probe of bench/feature_ablation.py (trained on the heads' 60 train prompts,
 tested on the 500 test prompts). A second table asks the same of the *next* token, which the stop rule must guess
 before drafting it: AUROC for the next row's acceptance on rows whose own token was accepted. Rounds are cut at
-greedy mismatches as in the traces' verify columns. Writes extra_features.json / .md under --out.
+greedy mismatches as in the traces' verify columns. Writes extra_features.json / .md under out_dir.
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+import numpy as np
+import torch
+from omegaconf import DictConfig
+from sklearn.decomposition import PCA
+from sklearn.ensemble import HistGradientBoostingClassifier
+from sklearn.metrics import roc_auc_score
+from tqdm import tqdm
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from sklearn.decomposition import PCA  # noqa: E402
-from sklearn.ensemble import HistGradientBoostingClassifier  # noqa: E402
-from sklearn.metrics import roc_auc_score  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-from data_gen.traces import _forward, _head  # noqa: E402
-from eval.replay import load_greedy_traces  # noqa: E402
-from models.features import (ContextIndex, FeatureSpec, continuation_starts, draft_probs,  # noqa: E402
-                             features_from_columns, needed_columns, trace_round_positions)
-from models.pair import load_pair  # noqa: E402
-from utils.cli import UserError, fail  # noqa: E402
-from utils.files import write_result  # noqa: E402
+from bench import REPO, command, repo_path
+from data_gen.traces import _forward, _head
+from eval.replay import load_greedy_traces
+from models.distributions import draft_probs
+from models.features import (ContextIndex, FeatureSpec, continuation_starts, features_from_columns, needed_columns,
+                             trace_round_positions)
+from models.pair import load_pair
+from utils.cli import UserError, hydra_entry
+from utils.files import write_result
 
 TRACES = REPO / "traces" / "smollm2_135m--mbpp--target_ar-t0-p1-n128-s0--"  # the heads' traces (results/stop_heads)
 SPEC = FeatureSpec("disco_plus", groups=("verify", "copy", "token"))
@@ -121,13 +119,10 @@ def gbm(x, y):
     return HistGradientBoostingClassifier(max_iter=300, learning_rate=0.05, random_state=0).fit(x, y)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=REPO / "results" / "stop_heads")
-    args = ap.parse_args()
+def run(cfg: DictConfig) -> None:
     for name in ("train", "test-lim500"):
         if not Path(f"{TRACES}{name}").exists():
-            raise UserError(f"no traces at {TRACES}{name}; make them with the commands in results/stop_heads/README.md")
+            raise UserError(f"no traces at {TRACES}{name}; make them with the commands in results/README.md")
     pair = load_pair("smollm2_135m")
     start = time.perf_counter()
     tr, te = load(pair, "train"), load(pair, "test-lim500")
@@ -149,7 +144,7 @@ def main() -> None:
         print(f"{label}: current {current[label]:.4f}, next {following[label]:.4f}", flush=True)
     max_q = float(roc_auc_score(te["y"], te["x"][:, 0]))
     max_q_next = float(roc_auc_score(te["y_next"][te["next"]], te["x"][te["next"], 0]))
-    result = {"command": "python bench/extra_features.py", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    result = {"command": command("extra_features"), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "pair": "smollm2_135m", "dtype": str(pair.dtype), "train_rows": int(len(tr["y"])),
               "test_rows": int(len(te["y"])), "next_test_rows": int(te["next"].sum()),
               "compete_columns": COMPETE, "principal_components": PCS, "seconds": round(time.perf_counter() - start),
@@ -163,11 +158,8 @@ def main() -> None:
         lines.append(f"| {label} | {current[label]:.3f} | {following[label]:.3f} |")
     lines += ["", "disco_plus = DISCO + verify + copy + token (models.features); compete = " + ", ".join(COMPETE)
               + f"; hidden states as {PCS} principal components of the training rows."]
-    write_result(args.out, "extra_features", result, lines)
+    write_result(repo_path(cfg.out_dir), "extra_features", result, lines)
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except UserError as err:
-        fail(err)
+    hydra_entry("bench/extra_features")(run)()

@@ -1,6 +1,6 @@
 """Feature ablation for disco_plus: test AUROC per feature group, with the features decode computes (models.features).
 
-    python bench/feature_ablation.py [--train VAL_TRACES] [--test TEST_TRACES] [--out results/stop_heads]
+    python -m bench.feature_ablation [train=TRAIN_TRACES] [test=TEST_TRACES] [out_dir=results/stop_heads]
 
 Defaults are the heads' traces of results/stop_heads (`python -m train +experiment=disco_plus_mbpp
 split_limits.test=500` makes them in traces/): trained on the heads' 60 train prompts (MBPP 511-570; the draft was
@@ -10,29 +10,23 @@ Per feature set (DISCO, +verify, +copy, +token, all) two models are fitted on th
   of the training rows, the rest pooled) — what the signal allows;
 - `disco_plus`: the disco_plus head itself (models.heads, logit = a·logit(max q) + FFN), full-batch Adam with early
   stopping on a 20% prompt hold-out of the training rows — what the shipped head gets from it.
-Writes ablation.json and ablation.md under --out, next to max q and −H_q (the training-free scores).
+Writes ablation.json and ablation.md under out_dir, next to max q and −H_q (the training-free scores).
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+import numpy as np
+import torch
+from omegaconf import DictConfig
+from sklearn.ensemble import HistGradientBoostingClassifier
+from sklearn.metrics import roc_auc_score
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from sklearn.ensemble import HistGradientBoostingClassifier  # noqa: E402
-from sklearn.metrics import roc_auc_score  # noqa: E402
+from bench import command, repo_path
+from utils.cli import UserError, hydra_entry
+from utils.files import write_result
 
-from utils.cli import UserError, fail  # noqa: E402
-from utils.files import write_result  # noqa: E402
-
-TRACES = REPO / "traces"
-DEFAULT_TRAIN = TRACES / "smollm2_135m--mbpp--target_ar-t0-p1-n128-s0--train"
-DEFAULT_TEST = TRACES / "smollm2_135m--mbpp--target_ar-t0-p1-n128-s0--test-lim500"
 SETS = {"DISCO": [], "+verify": ["verify"], "+copy": ["copy"], "+token": ["token"], "all": ["verify", "copy", "token"]}
 N_IDS = 250
 
@@ -103,23 +97,16 @@ def head_auroc(spec, x_tr, y_tr, prompts, x_te, y_te, seed: int = 0) -> float:
         return float(roc_auc_score(y_te, head(x_te).numpy()))
 
 
-def main(argv=None) -> None:
+def run(cfg: DictConfig) -> None:
     from models.features import FeatureSpec
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--train", type=Path, default=DEFAULT_TRAIN)
-    ap.add_argument("--test", type=Path, default=DEFAULT_TEST)
-    ap.add_argument("--out", type=Path, default=REPO / "results" / "stop_heads")
-    args = ap.parse_args(argv)
+    train, test = repo_path(cfg.train), repo_path(cfg.test)
     torch.set_num_threads(1)
     spec_all = FeatureSpec("disco_plus", groups=["verify", "copy", "token"])
-    try:
-        x_tr, y_tr, p_tr, man_tr = load(args.train, spec_all)
-        x_te, y_te, _, man_te = load(args.test, spec_all)
-    except UserError as err:
-        fail(str(err))
+    x_tr, y_tr, p_tr, man_tr = load(train, spec_all)
+    x_te, y_te, _, man_te = load(test, spec_all)
     if man_tr.get("pair_id") != man_te.get("pair_id"):
-        fail(f"{args.train} comes from pair {man_tr.get('pair_id')}, {args.test} from {man_te.get('pair_id')}")
+        raise UserError(f"{train} comes from pair {man_tr.get('pair_id')}, {test} from {man_te.get('pair_id')}")
     names = spec_all.names
     rows = {}
     for label, groups in SETS.items():
@@ -131,16 +118,16 @@ def main(argv=None) -> None:
                        "disco_plus": head_auroc(spec, a, y_tr, p_tr, b, y_te)}
         print(label, rows[label], flush=True)
     result = {
-        "command": "python bench/feature_ablation.py" + (" " + " ".join(argv or sys.argv[1:])).rstrip(),
-        "train": str(args.train), "test": str(args.test), "train_rows": len(y_tr), "test_rows": len(y_te),
+        "command": command("feature_ablation"),
+        "train": str(train), "test": str(test), "train_rows": len(y_tr), "test_rows": len(y_te),
         "train_acceptance": float(y_tr.mean()), "test_acceptance": float(y_te.mean()),
         "baselines": {"max_q": float(roc_auc_score(y_te, x_te[:, 0].numpy())),
                       "neg_entropy": float(roc_auc_score(y_te, -x_te[:, 10].numpy()))},
         "features": {"verify": names[12:17], "copy": names[17:20], "token": names[20:22]},
         "auroc": rows,
     }
-    lines = [f"Test AUROC per feature group (`{result['command']}`): trained on `{args.train.name}` "
-             f"({len(y_tr)} rows, acceptance {y_tr.mean():.3f}), tested on `{args.test.name}` ({len(y_te)} rows, "
+    lines = [f"Test AUROC per feature group (`{result['command']}`): trained on `{train.name}` "
+             f"({len(y_tr)} rows, acceptance {y_tr.mean():.3f}), tested on `{test.name}` ({len(y_te)} rows, "
              f"acceptance {y_te.mean():.3f}). Training-free scores on the test rows: max q "
              f"{result['baselines']['max_q']:.3f}, −H_q {result['baselines']['neg_entropy']:.3f}.", "",
              "| features | dim | gradient-boosted probe | disco_plus head |", "|---|---|---|---|"]
@@ -149,8 +136,8 @@ def main(argv=None) -> None:
     lines += ["", "Groups (models/features.py): verify = " + ", ".join(result["features"]["verify"])
               + "; copy = " + ", ".join(result["features"]["copy"]) + "; token = "
               + ", ".join(result["features"]["token"]) + "."]
-    write_result(args.out, "ablation", result, lines)
+    write_result(repo_path(cfg.out_dir), "ablation", result, lines)
 
 
 if __name__ == "__main__":
-    main()
+    hydra_entry("bench/feature_ablation")(run)()

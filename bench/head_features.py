@@ -1,6 +1,7 @@
 """How much would more features buy a stop head? A feature ablation on greedy target_ar traces.
 
-    python bench/head_features.py --train TRACES [--train TRACES2 ...] --test TRACES [--out bench/results/head_features]
+    python -m bench.head_features train=TRACES|train=[TRACES,TRACES2,...] test=TRACES
+        [out_dir=results/bench/head_features]
 
 Fits one gradient-boosted classifier (scikit-learn, fixed settings) per training folder and feature set, predicting
 acceptance (draft argmax = target argmax) from features a decoder has for free at each drafted token:
@@ -12,27 +13,24 @@ acceptance (draft argmax = target argmax) from features a decoder has for free a
   training rows, the rest pooled);
 - `+history+tokens`: both.
 Reports test AUROC next to max q and −H_q (the scores max-confidence and SVIP/AdaEDL threshold). Read it with the
-replay's curve (results/replay_mbpp): the AUROC a head would need for a given speedup. An analysis of what the signal
+replay's curve (results/stop_heads/replay_mbpp): the AUROC a head would need for a given speedup. An analysis of what the signal
 allows, not a head: these history features are not the ones decode reads. Issue 16 made verification, copy and token
-features part of the contract (models.features, `model=disco_plus`); their ablation is bench/feature_ablation.py.
+features part of the contract (models.features, `model=disco_plus`); their ablation is bench.feature_ablation.
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+import numpy as np
+from omegaconf import DictConfig, ListConfig
+from sklearn.ensemble import HistGradientBoostingClassifier
+from sklearn.metrics import roc_auc_score
 
-import numpy as np  # noqa: E402
-from sklearn.ensemble import HistGradientBoostingClassifier  # noqa: E402
-from sklearn.metrics import roc_auc_score  # noqa: E402
-
-from models.features import continuation_starts, trace_round_positions  # noqa: E402
-from utils.cli import UserError, fail  # noqa: E402
-from utils.files import write_result  # noqa: E402
+from bench import command, repo_path
+from models.features import continuation_starts, trace_round_positions
+from utils.cli import UserError, hydra_entry
+from utils.files import write_result
 
 N_IDS = 250  # HistGradientBoosting's categorical features take < 255 categories
 HISTORY = 16
@@ -102,38 +100,33 @@ def fit_auroc(train: dict, y_train, test: dict, y_test, blocks: list[str]) -> fl
     return float(roc_auc_score(y_test, model.predict_proba(matrix(test))[:, 1]))
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--train", action="append", required=True, type=Path, help="training trace folder (repeatable)")
-    ap.add_argument("--test", required=True, type=Path, help="test trace folder")
-    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "head_features")
-    args = ap.parse_args(argv)
-    try:
-        test_cols, test_man = load(args.test)
-        trains = [(f, *load(f)) for f in args.train]
-    except UserError as err:
-        fail(str(err))
+def run(cfg: DictConfig) -> None:
+    folders = cfg.train if isinstance(cfg.train, (list, ListConfig)) else [cfg.train] if cfg.train else []
+    if not folders or not cfg.test:
+        raise UserError("give the trace folders: train=TRACES (or train=[A,B]) and test=TRACES")
+    test_cols, test_man = load(repo_path(cfg.test))
+    trains = [(str(f), *load(repo_path(f))) for f in folders]  # named as given, read from under the repository root
     y_test, f_test = features(test_cols)
-    result = {"test": str(args.test), "test_rows": len(y_test), "test_acceptance": float(y_test.mean()),
+    result = {"test": str(cfg.test), "test_rows": len(y_test), "test_acceptance": float(y_test.mean()),
               "baselines": {"max_q": float(roc_auc_score(y_test, f_test["disco"][:, 0])),
                             "neg_entropy": float(roc_auc_score(y_test, -f_test["disco"][:, 10]))},
               "train": []}
     for folder, cols, man in trains:
         if man.get("pair_id") != test_man.get("pair_id"):
-            fail(f"{folder} comes from pair {man.get('pair_id')}, the test traces from {test_man.get('pair_id')}")
+            raise UserError(f"{folder} comes from pair {man.get('pair_id')}, the test traces from {test_man.get('pair_id')}")
         y, f = features(cols)
         row = {"folder": str(folder), "rows": len(y), "acceptance": float(y.mean()),
                "auroc": {name: fit_auroc(f, y, f_test, y_test, blocks) for name, blocks in SETS.items()}}
         result["train"].append(row)
-    lines = [f"Test AUROC of a gradient-boosted head per feature set (`python bench/head_features.py`); test traces "
+    lines = [f"Test AUROC of a gradient-boosted head per feature set (`{command('head_features')}`); test traces "
              f"`{result['test']}` ({result['test_rows']} rows, acceptance {result['test_acceptance']:.3f}); "
              f"max q {result['baselines']['max_q']:.3f}, −H_q {result['baselines']['neg_entropy']:.3f}.", "",
              "| trained on | rows | acceptance | " + " | ".join(SETS) + " |", "|---|---|---|" + "---|" * len(SETS)]
     for row in result["train"]:
         lines.append(f"| `{row['folder']}` | {row['rows']} | {row['acceptance']:.3f} | "
                      + " | ".join(f"{row['auroc'][s]:.3f}" for s in SETS) + " |")
-    write_result(args.out, "head_features", result, lines)
+    write_result(repo_path(cfg.out_dir), "head_features", result, lines)
 
 
 if __name__ == "__main__":
-    main()
+    hydra_entry("bench/head_features")(run)()

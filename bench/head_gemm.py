@@ -1,35 +1,29 @@
 """Why float32 verification was expensive on CPU, and what `pair.linear=packed` (models.lm_head) changes.
 
-    python bench/head_gemm.py [--pair smollm2_135m] [--threads 2] [--repeats 40]
+    python -m bench.head_gemm [pair=smollm2_135m] [threads=2] [repeats=40] [out_dir=results/bench]
 
 1. Products at the default pair's shapes (the 49,152 x 576 LM head, the 8,192-row FR-Spec draft head, the target's
    576x576, 192x576, 1536x576 and 576x1536 layers) for n = 1..9 rows: torch's `F.linear` against
    `models.lm_head.PackedLinear` (oneDNN, weight reordered once), in float32 and bfloat16.
 2. The target's cost curve t(n)/t(1), t(1) and the draft step (models.cost.measure, the loop's own calls) with
    `pair.linear=torch` ("before") and `pair.linear=packed` ("after"), in both dtypes.
-Writes bench/results/head_gemm.json (one entry per machine) and head_gemm.md. argparse, not Hydra: a fixed
-measurement with three knobs.
+Writes results/bench/head_gemm.json (one entry per machine) and head_gemm.md.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+import torch
+from omegaconf import DictConfig, OmegaConf
 
-import torch  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
+from bench import repo_path
+from models.cost import DEFAULTS, machine, measure
+from models.lm_head import PackedLinear
+from utils.cli import hydra_entry
 
-from models.cost import DEFAULTS, machine, measure  # noqa: E402
-from models.lm_head import PackedLinear  # noqa: E402
-
-OUT = REPO / "bench" / "results"
 SHAPES = {"lm head 49152x576": (49152, 576), "draft head 8192x576": (8192, 576), "q/o 576x576": (576, 576),
           "k/v 192x576": (192, 576), "mlp up 1536x576": (1536, 576), "mlp down 576x1536": (576, 1536)}
 ROWS = range(1, 10)
@@ -57,14 +51,14 @@ def product_times(dtype: torch.dtype, repeats: int, shape) -> dict:
     return out
 
 
-def curves(pair_name: str, repeats: int) -> dict:
+def curves(pair_cfg: DictConfig, repeats: int) -> dict:
     from models.pair import load_pair
 
     settings = OmegaConf.merge(DEFAULTS, {"max_n": 9, "repeats": repeats, "prefill_lengths": [32]})
     out = {}
     for dtype in ("float32", "bfloat16"):
         for linear in ("torch", "packed"):
-            cfg = OmegaConf.load(REPO / "conf" / "pair" / f"{pair_name}.yaml")
+            cfg = OmegaConf.create(OmegaConf.to_container(pair_cfg, resolve=True))
             cfg.dtype, cfg.linear = dtype, linear
             pair = load_pair(cfg)
             prof = measure(pair, settings, progress=False)
@@ -95,30 +89,26 @@ def markdown(data: dict) -> list[str]:
     return lines
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--pair", default="smollm2_135m")
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--repeats", type=int, default=40)
-    args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+def run(cfg: DictConfig) -> None:
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     entry = {"machine": machine(), "threads": torch.get_num_threads(), "torch": torch.__version__,
              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-             "products_us": {str(d).replace("torch.", ""): {name: product_times(d, args.repeats, shape)
+             "products_us": {str(d).replace("torch.", ""): {name: product_times(d, cfg.repeats, shape)
                                                               for name, shape in SHAPES.items()}
                              for d in (torch.float32, torch.bfloat16)},
-             "target_curve": curves(args.pair, max(args.repeats // 2, 10))}
-    path = OUT / "head_gemm.json"
+             "target_curve": curves(cfg.pair, max(cfg.repeats // 2, 10))}
+    out = repo_path(cfg.out_dir)
+    path = out / "head_gemm.json"
     data = json.loads(path.read_text()) if path.is_file() else {}
     data = {k: v for k, v in data.items() if "products_us" in v}  # entries of the older format (W @ hᵀ) are dropped
     data[entry["machine"]] = entry
-    OUT.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1))
     lines = markdown(data)
-    (OUT / "head_gemm.md").write_text("\n".join(lines) + "\n")
+    (out / "head_gemm.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
 if __name__ == "__main__":
-    main()
+    hydra_entry("bench/head_gemm")(run)()

@@ -1,9 +1,9 @@
 """Two CPU kernels that cost a batch-1 decoder more than their size says, at the default pair's shapes.
 
-    python bench/small_ops.py [--threads 2] [--repeats 300]
+    python -m bench.small_ops [threads=2] [repeats=300] [pair=smollm2_135m] [out_dir=results/bench]
 
 1. Greedy argmax over the vocabulary (49,152 logits, 1 and 4 rows): `argmax(-1)` against `max(-1).indices` (the
-   same first index; models.features.greedy_ids) in bfloat16 and float32. torch 2.13's CPU argmax of bfloat16 runs
+   same first index; models.distributions.greedy_ids) in bfloat16 and float32. torch 2.13's CPU argmax of bfloat16 runs
    scalar code, so the decoder uses max(-1) for every draft step and verified position.
 2. Attention at SmolLM2's shapes (9 query heads, 3 key/value heads, head dim 64, `scaled_dot_product_attention`
    as transformers calls it) for q = 1..9 query rows over 64..512 cached positions, in bfloat16, float32, and
@@ -11,32 +11,28 @@
    is the slow case in isolation. Inside target-only decoding of MBPP prompts a float32 single-row path (tried as
    a `pair.attention` option, then removed) did not change a target step measurably (a one-off A/B, session 11's
    note on issue 15), so the decoder keeps transformers' sdpa.
-3. Where a draft step of the default pair goes (`--pair`, auto dtype, the loop's own `models.lm.LM` call after a
+3. Where a draft step of the default pair goes (`pair`, auto dtype, the loop's own `models.lm.LM` call after a
    200-token prompt): wall time per step and torch.profiler's self CPU time per op kind, so what is matrix products,
    what is attention and what is everything else (transformers' module code and the small ops it issues).
-Writes bench/results/small_ops.json (one entry per machine) and small_ops.md; µs are medians of interleaved repeats.
+Writes results/bench/small_ops.json (one entry per machine) and small_ops.md; µs are medians of interleaved repeats.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+from bench import repo_path
+from models.cost import machine
+from models.lm import LM
+from models.pair import load_pair
+from utils.cli import hydra_entry
 
-from models.cost import machine  # noqa: E402
-from models.lm import LM  # noqa: E402
-from models.pair import load_pair  # noqa: E402
-
-OUT = REPO / "bench" / "results"
 VOCAB, HEADS, KV_HEADS, HEAD_DIM = 49152, 9, 3, 64
 CONTEXTS, QUERIES = (64, 128, 256, 512), (1, 2, 3, 5, 9)
 
@@ -85,11 +81,11 @@ def attention_times(repeats: int) -> dict:
     return out
 
 
-def draft_step(pair_name: str, steps: int = 40) -> dict:
+def draft_step(pair_cfg: DictConfig, steps: int = 40) -> dict:
     """ms per draft step (median) and profiler self-CPU ms per step by op kind."""
     from torch.profiler import ProfilerActivity, profile
 
-    pair = load_pair(pair_name)
+    pair = load_pair(pair_cfg)
     lm = LM.of(pair, "draft")
     cache = lm.new_cache()
     lm(list(range(100, 300)), cache, last=1)
@@ -107,14 +103,14 @@ def draft_step(pair_name: str, steps: int = 40) -> dict:
     for ev in prof.key_averages():
         kind = next((k for k, names in kinds.items() if ev.key in names), "other ops")
         by[kind] += ev.self_cpu_time_total / 1e3 / steps
-    return {"pair": pair_name, "dtype": str(pair.dtype).replace("torch.", ""), "step_ms": round(statistics.median(ts), 3),
+    return {"pair": str(pair_cfg.name), "dtype": str(pair.dtype).replace("torch.", ""), "step_ms": round(statistics.median(ts), 3),
             "self_cpu_ms": {k: round(v, 3) for k, v in by.items()}}
 
 
 def markdown(entry: dict) -> str:
-    lines = [f"Measured by `python bench/small_ops.py` on {entry['machine']}, {entry['threads']} threads, torch "
+    lines = [f"Measured by `python -m bench.small_ops` on {entry['machine']}, {entry['threads']} threads, torch "
              f"{entry['torch']}, {entry['date']}; µs, median of {entry['repeats']} interleaved repeats.", "",
-             "Greedy argmax over 49,152 logits (models.features.greedy_ids uses max(-1)):", "",
+             "Greedy argmax over 49,152 logits (models.distributions.greedy_ids uses max(-1)):", "",
              "| dtype x rows | argmax(-1) | max(-1).indices |", "|---|---|---|"]
     for key, t in entry["argmax"].items():
         lines.append(f"| {key} | {t['argmax(-1)']} | {t['max(-1).indices']} |")
@@ -130,26 +126,22 @@ def markdown(entry: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=300)
-    ap.add_argument("--pair", default="smollm2_135m")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+def run(cfg: DictConfig) -> None:
+    torch.set_num_threads(cfg.threads)
     with torch.inference_mode():
-        entry = {"machine": machine(), "threads": args.threads, "torch": torch.__version__, "repeats": args.repeats,
+        entry = {"machine": machine(), "threads": cfg.threads, "torch": torch.__version__, "repeats": cfg.repeats,
                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                 "argmax": argmax_times(args.repeats), "attention": attention_times(args.repeats),
-                 "draft_step": draft_step(args.pair)}
-    OUT.mkdir(parents=True, exist_ok=True)
-    path = OUT / "small_ops.json"
+                 "argmax": argmax_times(cfg.repeats), "attention": attention_times(cfg.repeats),
+                 "draft_step": draft_step(cfg.pair)}
+    out = repo_path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "small_ops.json"
     runs = json.loads(path.read_text()) if path.exists() else {}
     runs[entry["machine"]] = entry
     path.write_text(json.dumps(runs, indent=1) + "\n")
-    (OUT / "small_ops.md").write_text(markdown(entry))
+    (out / "small_ops.md").write_text(markdown(entry))
     print(markdown(entry))
 
 
 if __name__ == "__main__":
-    main()
+    hydra_entry("bench/small_ops")(run)()

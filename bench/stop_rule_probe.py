@@ -1,7 +1,7 @@
 """Where the static-K → oracle gap is lost: the head's score for the *current* token, or the stop rule's guess of the
 *next* one (issue 16). Gradient-boosted probes on the disco_plus features, replayed with eval.replay's machinery.
 
-    python bench/stop_rule_probe.py [--out bench/results]
+    python -m bench.stop_rule_probe [out_dir=results/bench] [cost_profile=results/stop_heads/profile.json]
 
 The expected-value rule (decode.policies.ExpectedValueRule) decides after drafted token k whether to draft k + 1
 from Π a_i (the round survives so far) and a guess of a_{k+1}, which no policy has seen yet: it uses a_k. This
@@ -17,33 +17,29 @@ the 500 test prompts, cost model under results/stop_heads/profile.json):
 - the rule's renewal-reward form (`RateThreshold`): a long-run rate λ tuned on validation in place of the round's E/T;
 - how good a guess of a_{k+1} the bar would need: synthetic next-token guesses of known AUROC (binormal scores on
   the next row's true outcome, turned into their exact posterior probability, so perfectly calibrated).
-Writes stop_rule_probe.json / .md under --out. argparse, not Hydra: a fixed measurement on fixed trace folders, with
-only its output folder and profile file to choose.
+Writes stop_rule_probe.json / .md under out_dir: a fixed measurement on fixed trace folders, with only its output
+folder and profile file to choose.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+import numpy as np
+from omegaconf import DictConfig
+from sklearn.ensemble import HistGradientBoostingClassifier
+from sklearn.metrics import roc_auc_score
 
-import numpy as np  # noqa: E402
-from sklearn.ensemble import HistGradientBoostingClassifier  # noqa: E402
-from sklearn.metrics import roc_auc_score  # noqa: E402
-
-from decode.policies import ExpectedValueRule, StopPolicy, platt  # noqa: E402
-from eval.replay import CONTINUATION_COLUMNS, continuations, load_greedy_traces, replay_one, summarize  # noqa: E402
-from models.cost import CostProfile  # noqa: E402
-from models.features import (FeatureSpec, continuation_starts, features_from_columns, needed_columns,  # noqa: E402
-                             token_classes)
-from utils.cli import UserError, fail  # noqa: E402
-from utils.files import write_result  # noqa: E402
+from bench import REPO, command, repo_path
+from decode.policies import ExpectedValueRule, StopPolicy, platt
+from eval.replay import CONTINUATION_COLUMNS, continuations, load_greedy_traces, replay_one, summarize
+from models.cost import CostProfile
+from models.features import FeatureSpec, continuation_starts, features_from_columns, needed_columns, token_classes
+from utils.cli import UserError, hydra_entry
+from utils.files import write_result
 
 TRACES = REPO / "traces" / "smollm2_135m--mbpp--target_ar-t0-p1-n128-s0--"  # the heads' traces (results/stop_heads)
 SPEC = FeatureSpec("disco_plus", groups=("verify", "copy", "token"))
@@ -179,18 +175,15 @@ def tuned_speed(val, test, scores_val, scores_test, profile) -> dict:
     return {"a": best[0], "b": best[1], "speedup": replay_speed(test, *scores_test, profile, *best)}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=str(REPO / "bench" / "results"))
-    ap.add_argument("--profile", default=str(REPO / "results" / "stop_heads" / "profile.json"))
-    args = ap.parse_args()
+def run(cfg: DictConfig) -> None:
     from models.pair import load_pair
 
-    if not Path(args.profile).is_file():
-        raise UserError(f"--profile {args.profile} not found; pass a profile file (python -m decode.profile out=F)")
+    profile_path = repo_path(cfg.cost_profile)
+    if not profile_path.is_file():
+        raise UserError(f"cost_profile={cfg.cost_profile} not found; pass a profile file (python -m decode.profile out=F)")
     classes = token_classes(load_pair("smollm2_135m").tokenizer)
     tr, va, te = (load(s, classes) for s in ("train", "validation", "test-lim500"))
-    profile = CostProfile.from_dict(json.loads(Path(args.profile).read_text()))
+    profile = CostProfile.from_dict(json.loads(profile_path.read_text()))
     cur = gbm(tr["x"], tr["y"])
     rows = tr["has_next"] & (tr["y"] == 1)  # the rule only asks about a next token while the round survives
     nxt = gbm(tr["x"][rows], tr["next"][rows])
@@ -200,10 +193,10 @@ def main() -> None:
          for n, d in (("val", va), ("test", te))}
     ask = te["has_next"] & (te["y"] == 1)
     result = {
-        "command": "python bench/stop_rule_probe.py", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "command": command("stop_rule_probe"), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "traces": f"{TRACES.relative_to(REPO)}{{train,validation,test-lim500}}",
-        "profile": str(Path(args.profile).resolve().relative_to(REPO)) if Path(args.profile).resolve().is_relative_to(REPO)
-        else args.profile, "test_rows": int(len(te["y"])),
+        "profile": str(profile_path.resolve().relative_to(REPO)) if profile_path.resolve().is_relative_to(REPO)
+        else str(cfg.cost_profile), "test_rows": int(len(te["y"])),
         "auroc_current": {"max_q": roc_auc_score(te["y"], te["x"][:, 0]), "probe": roc_auc_score(te["y"], p["test"]["cur"]),
                           "probe + token classes + line position": roc_auc_score(te["y"], p["test"]["rich"])},
         "auroc_next_given_current_accepted": {"a_k (the rule's guess)": roc_auc_score(te["next"][ask], p["test"]["cur"][ask]),
@@ -233,11 +226,8 @@ def main() -> None:
               for k, v in result["auroc_next_given_current_accepted"].items()]
     lines += [f"| replayed cost-model speedup (500 test prompts), {k} | {v['speedup']:.3f} |"
               for k, v in result["replay"].items()]
-    write_result(Path(args.out), "stop_rule_probe", result, lines)
+    write_result(repo_path(cfg.out_dir), "stop_rule_probe", result, lines)
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except UserError as err:
-        fail(str(err))
+    hydra_entry("bench/stop_rule_probe")(run)()

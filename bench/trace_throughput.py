@@ -1,13 +1,14 @@
 """Trace throughput: positions labelled per second by data_gen vs the bare cost of the same model work.
 
-    python bench/trace_throughput.py [pair=smollm2_135m] [prompts=8] [max_new_tokens=32] [batch_size=8] [repeats=3] [threads=0]
+    python -m bench.trace_throughput [pair=smollm2_135m] [prompts=8] [max_new_tokens=32] [batch_size=8] [repeats=3]
+        [split=test] [threads=0] [out_dir=results/bench]
 
 "Ours" is `data_gen.run.generate` end to end (prompt prep, batched target generation with KV cache, the teacher-forced
 draft pass, statistics, Arrow shard + manifest writes) into a temporary trace root. "Bare" is the least work that
 could give the same labels: transformers' own batched greedy `generate` of the same continuations with KV cache,
 plus one batched draft forward over prompt + continuation. The bar: ours ≥ 0.8 × bare (positions/s). Best of
-`repeats` for each, run alternately so machine load hits both alike. Writes bench/results/trace_throughput.json and
-a Markdown line to bench/results/trace_throughput.md.
+`repeats` for each, run alternately so machine load hits both alike. Writes results/bench/trace_throughput.json and
+a Markdown line to results/bench/trace_throughput.md.
 """
 
 from __future__ import annotations
@@ -15,41 +16,33 @@ from __future__ import annotations
 import json
 import os
 import platform
-import sys
 import tempfile
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+import torch
+from omegaconf import DictConfig, open_dict
 
-import torch  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
-
-from data_gen.prompts import load_prompts, render  # noqa: E402
-from data_gen.run import generate  # noqa: E402
-from data_gen.store import load_traces  # noqa: E402
-from models.pair import load_pair  # noqa: E402
+from bench import compose_stage, repo_path
+from data_gen.prompts import load_prompts, render
+from data_gen.run import generate
+from data_gen.store import load_traces
+from models.pair import load_pair
+from utils.cli import hydra_entry
 
 BAR = 0.8
 
 
-def args() -> dict:
-    out = {"pair": "smollm2_135m", "prompts": 8, "max_new_tokens": 32, "batch_size": 8, "repeats": 3, "split": "test", "threads": 0}
-    for a in sys.argv[1:]:
-        k, v = a.split("=", 1)
-        out[k] = type(out[k])(v) if k in out else v
-    return out
-
-
 def cfg_for(a: dict, root: str):
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        return compose(
-            "data_gen",
-            [f"pair={a['pair']}", "dataset=mbpp", "trace=target_ar", f"split={a['split']}", f"limit={a['prompts']}",
-             f"batch_size={a['batch_size']}", f"prompts_per_shard={a['prompts']}", f"trace.max_new_tokens={a['max_new_tokens']}",
-             f"trace_root={root}", "progress=false"],
-        )
+    """data_gen's config for these settings and the bench's pair (with its overrides), writing under `root`."""
+    cfg = compose_stage(
+        "data_gen",
+        [f"pair={a['pair'].name}", "dataset=mbpp", "trace=target_ar", f"split={a['split']}", f"limit={a['prompts']}",
+         f"batch_size={a['batch_size']}", f"prompts_per_shard={a['prompts']}", f"trace.max_new_tokens={a['max_new_tokens']}",
+         f"trace_root={root}", "progress=false"],
+    )
+    with open_dict(cfg):
+        cfg.pair = a["pair"]
+    return cfg
 
 
 def run_ours(cfg, pair, split) -> tuple[float, int]:
@@ -80,11 +73,11 @@ def run_bare(pair, texts: list[str], max_new: int, batch_size: int) -> tuple[flo
     return time.perf_counter() - start, positions
 
 
-def main() -> None:
-    a = args()
+def run(cfg: DictConfig) -> None:
+    a = {k: cfg[k] for k in ("pair", "prompts", "max_new_tokens", "batch_size", "repeats", "split", "threads")}
     if a["threads"] > 0:  # on a shared, oversubscribed CPU one thread per process measures more steadily
         torch.set_num_threads(a["threads"])
-    pair = load_pair(a["pair"])
+    pair = load_pair(cfg.pair)
     prompts = load_prompts(cfg_for(a, "/tmp").dataset, a["split"], a["prompts"])
     texts = [render(p, pair.tokenizer, pair.chat_template) for p in prompts]
     ours, bare = [], []
@@ -120,7 +113,7 @@ def main() -> None:
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     result["pass"] = result["ratio"] >= BAR
-    out = REPO / "bench" / "results"
+    out = repo_path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "trace_throughput.json").write_text(json.dumps(result, indent=1) + "\n")
     line = (
@@ -134,4 +127,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    hydra_entry("bench/trace_throughput")(run)()

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from models.features import draft_probs, entropy, greedy_ids, top2_margin, topk_probs, tvd
+from models.distributions import draft_probs, entropy, greedy_ids, top2_margin, topk_probs, tvd
 from models.lm import cache_kw
 
 

@@ -2,8 +2,8 @@
 
 `target.generate(assistant_model=draft)` with transformers' defaults (num_assistant_tokens=20, schedule "constant",
 assistant_confidence_threshold=0.4: the assistant stops drafting when its top probability falls below 0.4), timed
-in the same process and on the same prompts as every policy. It is not a `StopPolicy` (transformers runs its own
-loop), so the runner calls `generate` instead of `decode.loop.speculative`.
+in the same process and on the same prompts as every policy. A `StopPolicy` by its flags only (`external`:
+transformers runs its own loop), so the runner calls `generate` instead of `decode.loop.speculative`.
 
 Counters come from forward pre-hooks on the two models during the call: target calls (verifications; the first
 one includes the prompt), draft calls (one per drafted token). Drafted = draft calls; accepted = new tokens − target
@@ -19,10 +19,11 @@ import copy
 import torch
 
 from decode.loop import GenResult
+from decode.policies import StopPolicy
 from models.lm import Clock
 
 
-class HFAssisted:
+class HFAssisted(StopPolicy):
     name = "hf_assisted"
     oracle = False
     approximate = False

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 import torch
 
 from decode.verify import greedy_verify, sample_verify, sprinter_verify
-from models.features import DraftStep, VerifyStats, draft_probs, entropy, greedy_ids, logit_stats, top2_margin, tvd
+from models.distributions import draft_probs, entropy, greedy_ids, logit_stats, top2_margin, tvd
+from models.features import DraftStep, VerifyStats
 from models.lm import LM, Clock
 
 
@@ -87,7 +88,7 @@ def _verify_stats(p: torch.Tensor | None, logits: torch.Tensor, qs: list, suppor
     """models.features.VerifyStats of one verification from p (as traces define it) at positions 0..n: its entropy
     and margin at the last verified position n, and the mean TVD(p, q) over the drafted positions up to the first
     rejection (0..min(n, k − 1)). Greedy verification builds no p: then the same numbers come from the logits and
-    q on the draft's support (`qs`, models.features.logit_stats), a fraction of the work."""
+    q on the draft's support (`qs`, models.distributions.logit_stats), a fraction of the work."""
     m = min(n + 1, k)
     if p is None:
         ent, margin, tv = logit_stats(logits[: n + 1], support, torch.stack(qs[:m]) if m else None)
@@ -97,22 +98,123 @@ def _verify_stats(p: torch.Tensor | None, logits: torch.Tensor, qs: list, suppor
     return VerifyStats(float(ent), float(margin), k, n, float(tv.mean()) if m else 0.0)
 
 
+@dataclass(frozen=True)
+class _Settings:
+    """What one call of `speculative` computes and how it samples: decided once, from the policy's flags
+    (decode.policies: needs_probs, needs_hidden, needs_context, needs_verify_stats, approximate) and the settings."""
+
+    temperature: float
+    top_p: float
+    generator: torch.Generator | None
+    greedy: bool
+    approx: bool  # SPRINTER verification: verifier-accepted tokens are kept unchecked
+    want_q: bool  # q as a distribution (sampling, the policy, SPRINTER's TVD, the verification statistics)
+    want_h: bool  # the draft's last hidden state
+    want_ctx: bool  # the context (prompt + output, one list kept in step with the output): disco_plus heads
+    want_vs: bool  # the last verification's statistics: disco_plus heads
+
+    @classmethod
+    def of(cls, policy, temperature: float, top_p: float, generator) -> _Settings:
+        greedy = not (temperature and temperature > 0)
+        approx, want_vs = bool(policy.approximate), bool(policy.needs_verify_stats)
+        want_q = (not greedy) or bool(policy.needs_probs) or approx or want_vs
+        return cls(temperature, top_p, generator, greedy, approx, want_q, bool(policy.needs_hidden),
+                   bool(policy.needs_context), want_vs)
+
+
+@dataclass
+class _Round:
+    """One round's drafted tokens and what its verification reads of them."""
+
+    tokens: list[int] = field(default_factory=list)
+    qs: list = field(default_factory=list)  # q of each drafted token (when computed)
+    qs_support: list = field(default_factory=list)  # greedy + verification statistics: q on the draft's support
+    verifier_stop: bool = False  # the policy ended the round (for SPRINTER: its verifier rejected the last token)
+
+
+def _draft_round(draft: LM, dcache, inp: list[int], policy, s: _Settings, k_cap: int, base: int, ctx, vstats,
+                 eos: set[int], res: GenResult) -> _Round:
+    """Draft up to `k_cap` tokens after `inp`, asking the policy after each (the token that stops it stays in the
+    round; so does an EOS); draft and policy time go to `res`."""
+    now = time.perf_counter
+    rnd = _Round()
+    for j in range(k_cap):
+        ts = now()
+        logits, hidden = draft(inp, dcache, last=1)
+        z = logits[0]
+        if s.greedy:
+            q = draft_probs(z, 0.0) if s.want_q else None
+            tok = int(greedy_ids(z))
+        else:
+            q = draft_probs(z, s.temperature, s.top_p)
+            tok = int(torch.multinomial(q, 1, generator=s.generator))
+        te = now()
+        res.draft_s += te - ts
+        res.draft_calls += 1
+        rnd.tokens.append(tok)
+        if s.want_q:
+            rnd.qs.append(q)
+        step = DraftStep(probs=q, token=tok, hidden=hidden[0] if s.want_h else None, position_in_round=j,
+                         position=base + j, context=ctx, verify=vstats, support=draft.support)
+        stop = policy.should_stop(step)
+        if s.want_vs and s.greedy and not s.approx:
+            rnd.qs_support.append(step.on_support())
+        res.policy_s += now() - te
+        if stop:
+            rnd.verifier_stop = True
+            break
+        if tok in eos:
+            break
+        inp = [tok]
+    return rnd
+
+
+def _verify_round(target: LM, tcache, t_pending: list[int], rnd: _Round, s: _Settings, res: GenResult):
+    """One target pass over the pending token + the round: (n drafted tokens kept, the target's token after them,
+    p — None under greedy verification, which needs no distribution — and the logits). SPRINTER verification also
+    counts its unchecked tokens and their TVD into `res`."""
+    k = len(rnd.tokens)
+    logits, _ = target(t_pending + rnd.tokens, tcache, last=k + 1)
+    res.target_calls += 1
+    if s.greedy and not s.approx:
+        n, nxt = greedy_verify(greedy_ids(logits), torch.tensor(rnd.tokens, dtype=torch.long))
+        return n, nxt, None, logits
+    p = draft_probs(logits, s.temperature, s.top_p)
+    q_stack = torch.stack(rnd.qs) if k else p[:0]
+    dt = torch.tensor(rnd.tokens, dtype=torch.long, device=p.device)
+    if s.approx:
+        n, nxt = sprinter_verify(p, q_stack, dt, rnd.verifier_stop, s.greedy, s.generator)
+        unchecked = k - 1 if (rnd.verifier_stop and k) else k
+        if unchecked:
+            res.unchecked += unchecked
+            res.tvd_sum += float(tvd(p[:unchecked], q_stack[:unchecked]).sum())
+    else:
+        n, nxt = sample_verify(p, q_stack, dt, s.generator)
+    return n, nxt, p, logits
+
+
+def _rollback(dcache, tcache, d_pending: list[int], drafted: list[int], n: int, nxt: int) -> list[int]:
+    """Exact rollback after keeping n of the drafted tokens: crop the rejected positions from both caches (target:
+    k − n; draft: k − 1 − n, as it never ran on its own last token). Returns the tokens the draft runs on next."""
+    k = len(drafted)
+    if k - n > 0:
+        tcache.crop(-(k - n))
+    if k == 0:
+        return d_pending + [nxt]
+    if n == k:
+        return [drafted[-1], nxt]
+    if k - 1 - n > 0:
+        dcache.crop(-(k - 1 - n))
+    return [nxt]
+
+
 @torch.inference_mode()
 def speculative(pair, prompt_ids: list[int], policy, max_new_tokens: int, temperature: float = 0.0,
                 top_p: float = 1.0, eos: set[int] | None = None, generator: torch.Generator | None = None,
                 lookahead: list[int] | None = None) -> GenResult:
-    """Speculative decoding of one prompt with `policy` (decode.policies); see the module docstring."""
-    greedy = not (temperature and temperature > 0)
-    approx = bool(getattr(policy, "approximate", False))
-    want_q = (not greedy) or policy.needs_probs or approx
-    want_h = bool(policy.needs_hidden)
-    # disco_plus heads: the context (prompt + output, one list kept in step with `out`) and the last verification's
-    # statistics; other policies get None and cost nothing
-    want_ctx = bool(getattr(policy, "needs_context", False))
-    want_vs = bool(getattr(policy, "needs_verify_stats", False))
-    want_q = want_q or want_vs
-    ctx = list(prompt_ids) if want_ctx else None
-    vstats = None
+    """Speculative decoding of one prompt with `policy` (decode.policies); see the module docstring. Each round:
+    draft (`_draft_round`), verify (`_verify_round`), roll both caches back (`_rollback`), commit."""
+    s = _Settings.of(policy, temperature, top_p, generator)
     eos = eos or set()
     draft, target = LM.of(pair, "draft"), LM.of(pair, "target")
     clock = Clock(target.device)
@@ -123,86 +225,26 @@ def speculative(pair, prompt_ids: list[int], policy, max_new_tokens: int, temper
     dcache, tcache = draft.new_cache(), target.new_cache()
     out: list[int] = []
     res = GenResult(tokens=out)
+    ctx = list(prompt_ids) if s.want_ctx else None
+    vstats = None
     # tokens each model has not run on yet: the whole prompt at first (the first calls are the prefills, shaped
     # like transformers' generate, so low-precision numerics match plain decoding as closely as possible); then
     # 1 token, or 2 for the draft after a fully accepted round
     d_pending = list(prompt_ids)
     t_pending = list(prompt_ids)
-    draft_s = target_s = policy_s = 0.0
     done = False
     while not done and len(out) < max_new_tokens:
         k_cap = min(policy.max_len, max_new_tokens - len(out) - 1)
-        drafted: list[int] = []
-        qs: list[torch.Tensor] = []
-        qs_support: list[torch.Tensor] = []  # greedy + verify stats: q on the draft's support, for logit_stats
-        verifier_stop = False
-        inp = d_pending
-        base = len(out)
-        for j in range(k_cap):
-            ts = now()
-            logits, hidden = draft(inp, dcache, last=1)
-            z = logits[0]
-            if greedy:
-                q = draft_probs(z, 0.0) if want_q else None
-                tok = int(greedy_ids(z))
-            else:
-                q = draft_probs(z, temperature, top_p)
-                tok = int(torch.multinomial(q, 1, generator=generator))
-            te = now()
-            draft_s += te - ts
-            res.draft_calls += 1
-            drafted.append(tok)
-            if want_q:
-                qs.append(q)
-            step = DraftStep(probs=q, token=tok, hidden=hidden[0] if want_h else None, position_in_round=j,
-                             position=base + j, context=ctx, verify=vstats, support=draft.support)
-            stop = policy.should_stop(step)
-            if want_vs and greedy and not approx:
-                qs_support.append(step.on_support())
-            policy_s += now() - te
-            if stop:
-                verifier_stop = True
-                break
-            if tok in eos:
-                break
-            inp = [tok]
-        k = len(drafted)
-
+        rnd = _draft_round(draft, dcache, d_pending, policy, s, k_cap, len(out), ctx, vstats, eos, res)
+        k = len(rnd.tokens)
         ts = now()
-        logits, _ = target(t_pending + drafted, tcache, last=k + 1)
-        res.target_calls += 1
-        if greedy and not approx:
-            p = None  # greedy verification needs no distribution
-            n, nxt = greedy_verify(greedy_ids(logits), torch.tensor(drafted, dtype=torch.long))
-        else:
-            p = draft_probs(logits, temperature, top_p)
-            q_stack = torch.stack(qs) if k else p[:0]
-            dt = torch.tensor(drafted, dtype=torch.long, device=p.device)
-            if approx:
-                n, nxt = sprinter_verify(p, q_stack, dt, verifier_stop, greedy, generator)
-                unchecked = k - 1 if (verifier_stop and k) else k
-                if unchecked:
-                    res.unchecked += unchecked
-                    res.tvd_sum += float(tvd(p[:unchecked], q_stack[:unchecked]).sum())
-            else:
-                n, nxt = sample_verify(p, q_stack, dt, generator)
+        n, nxt, p, logits = _verify_round(target, tcache, t_pending, rnd, s, res)
         te = now()
-        target_s += te - ts
-        if want_vs:  # the policy's work, timed as policy time
-            vstats = _verify_stats(p, logits, qs if p is not None else qs_support, draft.support, k, n)
-            policy_s += now() - te
-
-        # exact rollback: keep the pending token + the n kept drafted tokens in each cache
-        if k - n > 0:
-            tcache.crop(-(k - n))
-        if k == 0:
-            d_pending = d_pending + [nxt]
-        elif n == k:
-            d_pending = [drafted[-1], nxt]
-        else:
-            if k - 1 - n > 0:
-                dcache.crop(-(k - 1 - n))
-            d_pending = [nxt]
+        res.target_s += te - ts
+        if s.want_vs:  # the policy's work, timed as policy time
+            vstats = _verify_stats(p, logits, rnd.qs if p is not None else rnd.qs_support, draft.support, k, n)
+            res.policy_s += now() - te
+        d_pending = _rollback(dcache, tcache, d_pending, rnd.tokens, n, nxt)
         t_pending = [nxt]
 
         res.drafted += k
@@ -210,11 +252,10 @@ def speculative(pair, prompt_ids: list[int], policy, max_new_tokens: int, temper
         res.rounds.append((k, n))
         ts = now()
         policy.observe(k, n)
-        policy_s += now() - ts
-        new, done = _eos_cut(drafted[:n] + [nxt], eos)
+        res.policy_s += now() - ts
+        new, done = _eos_cut(rnd.tokens[:n] + [nxt], eos)
         out.extend(new)
-        if want_ctx:
+        if s.want_ctx:
             ctx.extend(new)
     res.wall_s = clock() - t0
-    res.draft_s, res.target_s, res.policy_s = draft_s, target_s, policy_s
     return res

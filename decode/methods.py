@@ -2,18 +2,19 @@
 
 A *method* is one row of the decode tables: `Method.key` is its name there (`svip`, `learned`, or
 `learned:<ckpt stem>` beside another head, `svip[h=0.3]` for a grid point), `Method.spec` the stop policy it runs
-(`svip`, `learned:PATH`), `Method.params` that policy's constructor parameters.
+(`svip`, `learned:PATH`), `Method.params` that policy's constructor parameters, `Method.target` its class (found by
+name once, on the config's search path, so a policy from a user's conf dir needs no second look-up).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from decode.policies import HEAD_POLICIES, parse_spec
+from decode.policies import StopPolicy, parse_spec, policy_class, policy_config, policy_target, split_spec
 from utils.cli import UserError
 
 
@@ -22,33 +23,55 @@ class Method:
     key: str  # the name in summary.json
     spec: str  # policy spec (`svip`, `learned:PATH`)
     params: dict  # constructor parameters
+    target: str | None = None  # the policy class (its yaml's `_target_`), found by name on the config's search path
+
+    @property
+    def policy_class(self) -> type[StopPolicy]:
+        """The class this method's policy is built from: what decode, the replay and the bar ask about it."""
+        if self.target is None:  # a method made by hand (tests): found by name on conf/
+            return policy_class(parse_spec(self.spec)[0])
+        from hydra.utils import get_class
+
+        return get_class(self.target)
+
+
+def policy_params(name: str, cfg: DictConfig) -> dict:
+    """A policy's constructor parameters: conf/policy/<name>.yaml (less `_target_`) with `policy.<name>.*` merged
+    over it — the yaml is read here, for the listed policies only, so decode.yaml lists none of them."""
+    base = {k: v for k, v in (policy_config(name, cfg) or {}).items() if k != "_target_"}
+    over = cfg.get("policy") or {}
+    if name not in over:
+        return base
+    return OmegaConf.to_container(OmegaConf.merge(base, OmegaConf.to_container(over[name], resolve=True)), resolve=True)
 
 
 def methods_from_cfg(cfg: DictConfig) -> list[Method]:
     """`policies` entries → methods with their params (conf/policy/<name>.yaml merged with `policy.<name>.*`)."""
     specs = [str(s) for s in cfg.policies]
-    names = [parse_spec(s)[0] for s in specs]
+    parsed = [parse_spec(s, cfg) for s in specs]
+    names = [name for name, _ in parsed]
     out = []
-    for spec, name in zip(specs, names):
+    for spec, (name, path) in zip(specs, parsed):
         if name == "target":
             continue  # target-only always runs
-        params = OmegaConf.to_container(cfg.policy[name], resolve=True) if name in cfg.get("policy", {}) else {}
-        path = parse_spec(spec)[1]
-        if name in HEAD_POLICIES:
+        params, target = policy_params(name, cfg), policy_target(name, cfg)
+        if policy_class(name, cfg).learned:
             path = path or params.get("ckpt") or cfg.get("policy_ckpt")
             spec = f"{name}:{path}" if path else name
         key = name if names.count(name) == 1 else f"{name}:{Path(path).stem}" if path else spec
-        out.append(Method(key, spec, params))
+        out.append(Method(key, spec, params, target))
     keys = [m.key for m in out]
     if len(set(keys)) != len(keys):
         raise UserError(f"policies lists a method twice: {keys}")
     if cfg.get("tuned"):
         out = apply_tuned(out, Path(str(cfg.tuned)))
     if float(cfg.temperature) > 0:
-        bad = [m.key for m in out if parse_spec(m.spec)[0] == "oracle"]
-        if bad:
-            raise UserError("the oracle policy is greedy-only (its lookahead is the target's greedy output); "
-                            "use temperature=0 or drop oracle from policies")
+        greedy_only = [m for m in out if m.policy_class.greedy_only]
+        if greedy_only:
+            name, why = split_spec(greedy_only[0].spec)[0], ""
+            if greedy_only[0].policy_class.oracle:
+                why = " (its lookahead is the target's greedy output)"
+            raise UserError(f"the {name} policy is greedy-only{why}; use temperature=0 or drop {name} from policies")
     return out
 
 
@@ -72,7 +95,7 @@ def apply_tuned(methods: list[Method], path: Path) -> list[Method]:
         chosen = json.loads(path.read_text())["chosen"]
     except (ValueError, KeyError, TypeError):
         raise UserError(f"tuned={path} is not a tuned.json from `python -m decode mode=tune`") from None
-    found = {m.key: method_entry(chosen, m.key, *parse_spec(m.spec)) for m in methods}
+    found = {m.key: method_entry(chosen, m.key, *split_spec(m.spec)) for m in methods}
     if not any(v is not None for v in found.values()):
         raise UserError(f"tuned={path} tunes {sorted(chosen)}, none of this run's methods {[m.key for m in methods]}")
-    return [Method(m.key, m.spec, {**m.params, **(found[m.key] or {})}) for m in methods]
+    return [replace(m, params={**m.params, **(found[m.key] or {})}) for m in methods]

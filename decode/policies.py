@@ -9,7 +9,16 @@ The loop itself enforces `max_len` (every policy has a cap), the token budget an
 Class attributes tell the loop what to compute: `needs_probs` (q as a distribution — greedy constant/heuristic/oracle
 skip the softmax), `needs_hidden` (the draft's last hidden state), `needs_context` (DraftStep.context: prompt +
 committed output), `needs_verify_stats` (DraftStep.verify: the last verification's target statistics), `greedy_only`,
-`approximate` (SPRINTER verification instead of exact). Defaults and their sources are in conf/policy/<name>.yaml.
+`approximate` (SPRINTER verification instead of exact). And they tell decode, the replay and the bar what a policy is:
+`needs_profile` (its stop rule reads the measured cost profile), `learned` (reads a trained head: `name:PATH`),
+`oracle` (reads the target's output), `external` (runs its own loop, decode/hf.py), `trace_score` (the per-token
+score it thresholds, for the replay's AUROC column). Nothing outside this class reads a policy's name.
+
+A policy is found by name: `conf/policy/<name>.yaml` on Hydra's config search path (utils.discover; a user's conf dir
+added with `hydra.searchpath=[file:///DIR]` counts), whose `_target_` names the class and whose other keys are its
+defaults (with their sources). So adding a policy is one StopPolicy subclass + one yaml (docs/adding_a_policy.md).
+decode.yaml holds an open `policy: {}` dict; a listed policy's yaml is read when the policy is built and
+`policy.<name>.<param>=V` is merged over it (decode.methods).
 """
 
 from __future__ import annotations
@@ -19,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from models.features import CONTEXT_GROUPS, DraftStep, PlusFeatures
+from models.features import DraftStep
 from utils.cli import UserError
 
 
@@ -32,6 +41,10 @@ class StopPolicy:
     greedy_only = False
     approximate = False
     oracle = False
+    needs_profile = False  # the stop rule reads the measured cost profile: built with profile=
+    learned = False  # reads a trained head: listed as `name:PATH` (or policy_ckpt / policy.<name>.ckpt), built with it
+    external = False  # runs its own loop (transformers' generate, decode/hf.py), not decode.loop: built with pair=
+    trace_score: str | None = None  # the per-token score it thresholds, as a trace score (`max_q` | `neg_entropy`)
 
     def __init__(self, max_len: int = 40):
         if int(max_len) < 1:
@@ -49,6 +62,11 @@ class StopPolicy:
 
     def describe(self) -> dict:
         return {"name": self.name, "max_len": self.max_len}
+
+    @classmethod
+    def wants_profile(cls, params: dict, bundle=None) -> bool:
+        """Whether a policy built with `params` (and, for a learned one, its head) reads the cost profile."""
+        return cls.needs_profile
 
 
 class Constant(StopPolicy):
@@ -204,6 +222,7 @@ class ExpectedValue(StopPolicy):
     """
 
     name = "expected_value"
+    needs_profile = True
 
     def __init__(self, score: str = "max_q", a: float = 1.0, b: float = 0.0, max_len: int = 16, profile=None):
         super().__init__(max_len)
@@ -237,6 +256,7 @@ class MaxConfidence(StopPolicy):
     """
 
     name = "max_confidence"
+    trace_score = "max_q"
 
     def __init__(self, lam=0.4, adapt="none", max_len=40, alpha=0.9, beta1=0.5, beta2=0.9, eps=0.01, window=None):
         super().__init__(max_len)
@@ -284,6 +304,7 @@ class OnlineROC(MaxConfidence):
     sits beside the fixed-λ row in one run. `lam` is only the starting point."""
 
     name = "online_roc"
+    trace_score = None  # the same max q as max_confidence: its AUROC is reported once, on that row
 
     def __init__(self, lam=0.4, adapt="roc", window=2000, **kw):
         super().__init__(lam=lam, adapt=adapt, window=window, **kw)
@@ -293,6 +314,7 @@ class SVIP(StopPolicy):
     """SVIP: stop when √(c·H_q) > h — the entropy lower bound on acceptance falls below 1 − h (official c=0.15, h=0.3)."""
 
     name = "svip"
+    trace_score = "neg_entropy"
 
     def __init__(self, c: float = 0.15, h: float = 0.3, max_len: int = 40):
         super().__init__(max_len)
@@ -312,6 +334,7 @@ class AdaEDL(StopPolicy):
     ε=0.01, α=0.9). λ carries across prompts like the paper's running system; `per_prompt_reset` restarts it at λ0."""
 
     name = "adaedl"
+    trace_score = "neg_entropy"
 
     def __init__(self, gamma=0.2, lambda0=0.7, alpha=0.9, beta1=0.5, beta2=0.9, eps=0.01, max_len=40,
                  per_prompt_reset=False):
@@ -336,10 +359,13 @@ class AdaEDL(StopPolicy):
 
 class Learned(StopPolicy):
     """A trained head (models.heads): DISCO / SPRINTER-style heads stop when P(accept) < threshold; a SpecDec++ head
-    stops when 1 − Π P(accept) over the round > threshold. The threshold defaults to the one stored in the checkpoint."""
+    (a `cumulative` family) stops when 1 − Π P(accept) over the round > threshold. The threshold defaults to the one
+    stored in the checkpoint. What the head reads (q, the hidden state, the context, the last verification) comes from
+    its feature spec, so the loop computes exactly that."""
 
     name = "learned"
     needs_probs = True
+    learned = True
 
     def __init__(self, bundle, threshold: float | None = None, max_len: int = 40, name: str | None = None,
                  rule: str = "auto", profile=None, a: float = 1.0, b: float = 0.0):
@@ -351,17 +377,16 @@ class Learned(StopPolicy):
         self.rule = ExpectedValueRule(profile, self.max_len) if rule == "expected_value" else None
         self.bundle = bundle
         self.kind = bundle.kind
+        self.cumulative = _family(bundle).cumulative
         self.threshold = float(bundle.threshold if threshold is None else threshold)
         spec = bundle.spec
-        plus = spec.kind == "disco_plus"
-        self.needs_hidden = spec.kind == "hidden" or "hidden" in spec.groups
-        self.needs_probs = spec.kind in ("disco", "disco_plus")
-        self.needs_context = plus and bool(CONTEXT_GROUPS & set(spec.groups))
-        self.needs_verify_stats = plus and "verify" in spec.groups
-        # DISCO rows are disco_plus rows without groups: one builder fills [top-k, H_q, position in round] for both
+        self.needs_hidden = spec.reads_hidden
+        self.needs_probs = spec.reads_probs
+        self.needs_context = spec.needs_context
+        self.needs_verify_stats = spec.needs_verify
+        # the feature kind's decode-time row builder (DISCO rows: top-k, H_q, position in round, + disco_plus groups)
         weight = next(bundle.head.parameters(), None)
-        self.plus = (PlusFeatures(spec, device=None if weight is None else weight.device)
-                     if spec.kind in ("disco", "disco_plus") else None)
+        self.rows = spec.family.decoder(spec, device=None if weight is None else weight.device)
         self.k = int(spec.k)
         self._survive = 1.0
         if name:
@@ -383,25 +408,27 @@ class Learned(StopPolicy):
         if stored and not cls.approximate:
             return str(stored["rule"]), stored.get("threshold")
         calibrated = (getattr(bundle, "calibration", None) or {}).get("mode", "none") != "none"
-        use_ev = calibrated and not cls.approximate and bundle.kind != "specdecpp"
+        use_ev = calibrated and not cls.approximate and not _family(bundle).cumulative
         return ("expected_value" if use_ev else "threshold"), None
+
+    @classmethod
+    def wants_profile(cls, params, bundle=None):
+        """The expected-value rule reads the profile; a threshold does not (so no profile is measured for it)."""
+        return cls.resolve_rule(bundle, params.get("threshold"), params.get("rule", "auto"))[0] == "expected_value"
 
     def reset(self, **ctx):
         self._survive = 1.0
-        if self.plus is not None:
-            self.plus.reset()
+        self.rows.reset()
 
     def _prob(self, step: DraftStep) -> float:
-        if self.plus is not None:
-            if self.needs_context and step.context is None:
-                raise UserError(f"head {self.bundle.path} reads copy/token/text features that need the decoder's context, "
-                                "which this caller does not pass (DraftStep.context); run it through python -m decode "
-                                "or eval.replay")
-            if self.needs_verify_stats and step.verify is None and step.position_in_round == 0 and step.position > 0:
-                raise UserError(f"head {self.bundle.path} reads the last verification's statistics, which this caller "
-                                "does not pass (DraftStep.verify); run it through python -m decode or eval.replay")
-            return self.score(self.plus.row(step))
-        return self.score(step.hidden.float())
+        if self.needs_context and step.context is None:
+            raise UserError(f"head {self.bundle.path} reads copy/token/text features that need the decoder's context, "
+                            "which this caller does not pass (DraftStep.context); run it through python -m decode "
+                            "or eval.replay")
+        if self.needs_verify_stats and step.verify is None and step.position_in_round == 0 and step.position > 0:
+            raise UserError(f"head {self.bundle.path} reads the last verification's statistics, which this caller "
+                            "does not pass (DraftStep.verify); run it through python -m decode or eval.replay")
+        return self.score(self.rows.row(step))
 
     def should_stop(self, step):
         if step.position_in_round == 0:
@@ -414,7 +441,7 @@ class Learned(StopPolicy):
             a = platt(math.log(a / (1 - a)), self.a, self.b)
         if self.rule is not None:  # expected value under the cost profile (the head's P(accept) is calibrated)
             return self.rule.stop(a)
-        if self.kind == "specdecpp":
+        if self.cumulative:
             self._survive *= a
             return 1.0 - self._survive > self.threshold
         return a < self.threshold
@@ -422,6 +449,13 @@ class Learned(StopPolicy):
     def describe(self):
         return {**super().describe(), "kind": self.kind, "threshold": self.threshold, "ckpt": self.bundle.path,
                 "rule": "expected_value" if self.rule is not None else "threshold", "a": self.a, "b": self.b}
+
+
+def _family(bundle):
+    """The head family (models.heads network class) of a bundle: what its checkpoint's arch names, else its kind's."""
+    from models.heads import head_family
+
+    return head_family(bundle.kind, getattr(bundle, "arch", None))
 
 
 class Sprinter(Learned):
@@ -432,80 +466,132 @@ class Sprinter(Learned):
     approximate = True
 
 
-POLICIES = {
-    "constant": Constant,
-    "static_opt": StaticOpt,
-    "heuristic": Heuristic,
-    "oracle": Oracle,
-    "max_confidence": MaxConfidence,
-    "online_roc": OnlineROC,
-    "svip": SVIP,
-    "adaedl": AdaEDL,
-    "expected_value": ExpectedValue,
-    "learned": Learned,
-    "sprinter": Sprinter,
-}
-EXTERNAL = ("hf_assisted",)  # methods that run their own loop (decode/hf.py), listed like policies
-KNOWN = ["target", *POLICIES, *EXTERNAL]
-HEAD_POLICIES = ("learned", "sprinter")
+# ------------------------------------------------------------------------------------------- finding and building
 
 
-def parse_spec(spec: str) -> tuple[str, str | None]:
-    """`name` or `name:PATH` (learned/sprinter heads) → (name, path)."""
+def policy_config(name: str, cfg=None) -> dict | None:
+    """conf/policy/<name>.yaml (on the config search path of `cfg` or the running app) as a dict; None: no such file."""
+    from utils import discover
+
+    return discover.load("policy", name, cfg)
+
+
+def policy_target(name: str, cfg=None) -> str | None:
+    """The `_target_` of a policy's yaml, checked to name a StopPolicy (None: no such policy)."""
+    from utils import discover
+
+    path = discover.find("policy", name, cfg)
+    if path is None:
+        return None
+    target = discover.read(path).get("_target_")
+    _class_of(target, name, discover.shown(path))
+    return str(target)
+
+
+def policy_class(name: str, cfg=None) -> type[StopPolicy] | None:
+    """The class of the policy called `name` (None: no conf/policy/<name>.yaml on the search path)."""
+    target = policy_target(name, cfg)
+    return None if target is None else _class_of(target, name)
+
+
+def _class_of(target, name: str, where: str | None = None) -> type[StopPolicy]:
+    from utils import discover
+
+    return discover.target_class(target, StopPolicy, f"policy '{name}' ({where or f'conf/policy/{name}.yaml'})")
+
+
+def known_policies(cfg=None) -> list[str]:
+    """Every policy name on the search path, sorted."""
+    from utils import discover
+
+    return discover.names("policy", cfg)
+
+
+def _head_policies(cfg=None) -> list[str]:
+    """The policies that take a head checkpoint (`learned`), for error messages; unloadable yamls are left out."""
+    out = []
+    for name in known_policies(cfg):
+        try:
+            cls = policy_class(name, cfg)
+        except UserError:
+            continue
+        if cls is not None and cls.learned:
+            out.append(name)
+    return out
+
+
+def split_spec(spec: str) -> tuple[str, str | None]:
+    """`name` or `name:PATH` → (name, path), unchecked."""
     name, _, path = str(spec).partition(":")
-    name = name.strip()
-    if name not in KNOWN:
-        raise UserError(f"unknown policy '{name}'; known: {', '.join(KNOWN)} (heads as learned:PATH or sprinter:PATH)")
-    if path and name not in HEAD_POLICIES:
-        raise UserError(f"policy '{name}' takes no checkpoint; only learned:PATH and sprinter:PATH do")
-    return name, (path or None)
+    return name.strip(), (path or None)
+
+
+def parse_spec(spec: str, cfg=None) -> tuple[str, str | None]:
+    """`name` or `name:PATH` (learned heads) → (name, path), for a policy found on the search path (or `target`)."""
+    name, path = split_spec(spec)
+    cls = policy_class(name, cfg) if name != "target" else None
+    if cls is None and name != "target":
+        heads = " or ".join(f"{h}:PATH" for h in _head_policies(cfg))
+        raise UserError(f"unknown policy '{name}'; known: {', '.join(['target', *known_policies(cfg)])} "
+                        f"(heads as {heads})")
+    if path and (cls is None or not cls.learned):
+        heads = " and ".join(f"{h}:PATH" for h in _head_policies(cfg))
+        raise UserError(f"policy '{name}' takes no checkpoint; only {heads} do")
+    return name, path
 
 
 def build_policy(spec: str, params: dict | None = None, pair=None, ckpt: str | None = None,
-                 profile=None) -> StopPolicy:
-    """A policy from its spec (`svip`, `learned:PATH`) and its params (conf/policy/<name>.yaml + overrides).
-    `profile` (models.cost) is handed to the policies whose stop rule reads the cost curve."""
-    name, path = parse_spec(spec)
+                 profile=None, target: str | None = None) -> StopPolicy:
+    """A policy from its spec (`svip`, `learned:PATH`) and its params (conf/policy/<name>.yaml + overrides), built by
+    `hydra.utils.instantiate` from its class (`target`: the yaml's `_target_`, found by name when not given) and the
+    params; what else the class gets follows its capabilities: `external` → the pair, `learned` → its head,
+    `wants_profile` → `profile` (models.cost, measured for the pair when not given)."""
+    from hydra.utils import instantiate
 
-    def with_profile(wanted: bool) -> dict:  # the profile only for a rule that reads it; measured once, then cached
-        nonlocal profile
-        if not wanted:
-            return params
+    name, path = parse_spec(spec) if target is None else split_spec(spec)
+    if name == "target":
+        raise UserError("'target' is target-only decoding, not a stop policy")
+    target = target or policy_target(name)
+    cls = _class_of(target, name)
+    params = {k: v for k, v in dict(params or {}).items() if k not in ("ckpt", "_name")}
+    # a partial: the pair, the head and the profile are objects handed to the constructor, not config values
+    make = instantiate({"_target_": target, **params}, _partial_=True, _convert_="all")
+    see = f"; see conf/policy/{name}.yaml"
+    if cls.external:
+        if pair is None:
+            raise UserError(f"'{name}' runs transformers' generate and needs the pair")
+        return _call(make, {"pair": pair}, name, see)
+    extra: dict = {}
+    bundle = None
+    if cls.learned:
+        bundle = _load_bundle(name, path or ckpt, pair)
+        extra["bundle"] = bundle
+    if cls.wants_profile(params, bundle):  # the profile only for a rule that reads it; measured once, then cached
         if profile is None and pair is not None:
             from models.cost import get_profile
 
             profile = get_profile(pair)
-        return {**params, "profile": profile}
+        extra["profile"] = profile
+    return _call(make, extra, f"policy {name}", "" if cls.learned else see)
 
-    if name == "target":
-        raise UserError("'target' is target-only decoding, not a stop policy")
-    params = {k: v for k, v in dict(params or {}).items() if k not in ("ckpt", "_name")}
-    if name in EXTERNAL:
-        if pair is None:
-            raise UserError(f"'{name}' runs transformers' generate and needs the pair")
-        from decode.hf import HFAssisted
 
-        try:
-            return HFAssisted(pair, **params)
-        except TypeError as err:
-            raise UserError(f"bad parameter for {name}: {err}; see conf/policy/{name}.yaml") from None
-    cls = POLICIES[name]
-    if name in HEAD_POLICIES:
-        path = path or ckpt
-        if not path:
-            raise UserError(f"policy '{name}' needs a head: {name}:PATH_TO_CKPT, policy_ckpt=PATH or policy.{name}.ckpt=PATH")
-        from models.heads import load_head
+def _load_bundle(name: str, path: str | None, pair):
+    """A learned policy's head, checked against the pair and moved to its device (features stay there: no copy per
+    drafted token)."""
+    if not path:
+        raise UserError(f"policy '{name}' needs a head: {name}:PATH_TO_CKPT, policy_ckpt=PATH or policy.{name}.ckpt=PATH")
+    from models.heads import load_head
 
-        bundle = load_head(Path(path))
-        if pair is not None:
-            bundle.check_pair(pair)
-            bundle.head.to(pair.device)  # features stay on the models' device: no copy per drafted token
-        wanted = cls.resolve_rule(bundle, params.get("threshold"), params.get("rule", "auto"))[0] == "expected_value"
-        try:
-            return cls(bundle, **with_profile(wanted))
-        except TypeError as err:
-            raise UserError(f"bad parameter for policy {name}: {err}") from None
+    bundle = load_head(Path(path))
+    if pair is not None:
+        bundle.check_pair(pair)
+        bundle.head.to(pair.device)
+    return bundle
+
+
+def _call(make, extra: dict, what: str, hint: str = "") -> StopPolicy:
+    """`make(**extra)`; a constructor that rejects its parameters (TypeError) is one user-error line."""
     try:
-        return cls(**with_profile(cls is ExpectedValue))
+        return make(**extra)
     except TypeError as err:
-        raise UserError(f"bad parameter for policy {name}: {err}; see conf/policy/{name}.yaml") from None
+        raise UserError(f"bad parameter for {what}: {err}{hint}") from None

@@ -91,7 +91,7 @@ def _generate(pair, policy, prompt_ids: list[int], d: Decoding, eos: set[int], s
     g.manual_seed(seed)
     if policy is None:
         return autoregressive(pair, prompt_ids, d.max_new_tokens, d.temperature, d.top_p, eos, g)
-    if getattr(policy, "external", False):
+    if policy.external:
         return policy.generate(prompt_ids, d.max_new_tokens, d.temperature, d.top_p, eos, g)
     return speculative(pair, prompt_ids, policy, d.max_new_tokens, d.temperature, d.top_p, eos, g,
                        lookahead=lookahead)
@@ -120,7 +120,7 @@ def run_split(pair, prompts, methods: list[Method], profile, d: Decoding, desc: 
 
 def _policies(pair, methods: list[Method], profile) -> dict:
     """A fresh policy object per method, keyed like the tables."""
-    return {m.key: build_policy(m.spec, m.params, pair=pair, profile=profile) for m in methods}
+    return {m.key: build_policy(m.spec, m.params, pair=pair, profile=profile, target=m.target) for m in methods}
 
 
 def _decode_prompts(pair, prompts, ids, methods, policies, d: Decoding, eos, desc: str) -> list[dict]:
@@ -154,7 +154,7 @@ def _decode_prompts(pair, prompts, ids, methods, policies, d: Decoding, eos, des
 
 def _measured_cost_ratio(rows: list[dict], policies: dict) -> float:
     """Draft step time ÷ target step time from our loop's timed steps (transformers' loop exposes no split)."""
-    ours = [r for r in rows if r["method"] != "target" and not getattr(policies[r["method"]], "external", False)]
+    ours = [r for r in rows if r["method"] != "target" and not policies[r["method"]].external]
     target_all = [r for r in rows if r["method"] == "target"]
     return metrics.measured_c(sum(r["draft_s"] for r in ours), sum(r["draft_calls"] for r in ours),
                               sum(r["target_s"] for r in target_all),
@@ -170,7 +170,7 @@ def _summarize(rows: list[dict], methods: list[Method], policies: dict, profile,
         s = metrics.summarize([r for r in rows if r["method"] == m.key], target_rows, profile, greedy,
                               not pol.approximate)
         s.update(oracle=pol.oracle, approximate=pol.approximate, params=pol.describe(), measured_c=cost_ratio,
-                 external=bool(getattr(pol, "external", False)))
+                 external=bool(pol.external))
         summary[m.key] = s
     summary["target"]["measured_c"] = cost_ratio
     return summary

@@ -42,7 +42,7 @@ def main(cfg: DictConfig) -> dict:
     pair = load_pair(cfg.pair)
     profile = get_profile(pair, cfg.get("profile"))  # measured once per machine, then cached
     for m in methods:  # a bad checkpoint or parameter fails before any decoding
-        build_policy(m.spec, m.params, pair=pair, profile=profile)
+        build_policy(m.spec, m.params, pair=pair, profile=profile, target=m.target)
     out_dir = Path(cfg.out_dir) if cfg.get("out_dir") else _hydra_dir()
     if mode == "tune":
         return _tune(cfg, pair, profile, methods, out_dir)

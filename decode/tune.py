@@ -8,11 +8,12 @@ applies to a later run (decode.methods.apply_tuned). Thresholds are never tuned 
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 from omegaconf import DictConfig, OmegaConf
 
 from decode.methods import Method
-from decode.policies import parse_spec
+from decode.policies import split_spec
 
 
 def tune_grid(cfg: DictConfig, methods: list[Method], untuned: bool = True) -> list[Method]:
@@ -23,7 +24,7 @@ def tune_grid(cfg: DictConfig, methods: list[Method], untuned: bool = True) -> l
     grid = OmegaConf.to_container(cfg.tune.grid, resolve=True) or {}
     out = []
     for m in methods:
-        name = parse_spec(m.spec)[0]
+        name = split_spec(m.spec)[0]
         spaces = grid.get(name) or {}
         if not spaces:
             if untuned:
@@ -37,7 +38,7 @@ def tune_grid(cfg: DictConfig, methods: list[Method], untuned: bool = True) -> l
                 label = ",".join(f"{k}={v}" for k, v in point.items())
                 if label not in seen:
                     seen.add(label)
-                    out.append(Method(f"{m.key}[{label}]", m.spec, {**m.params, **point}))
+                    out.append(replace(m, key=f"{m.key}[{label}]", params={**m.params, **point}))
     return out
 
 
@@ -65,5 +66,5 @@ def choose(summary: dict, methods: list[Method], grid_methods: list[Method], met
             chosen.append(m)
             continue
         best = max(cands, key=lambda g: summary[g.key].get(metric) or float("-inf"))
-        chosen.append(Method(m.key, m.spec, best.params))
+        chosen.append(replace(m, params=best.params))
     return chosen

@@ -1,6 +1,6 @@
 """`python -m eval.bar`: issue 16's bar — do learned stop heads beat the best training-free policy? — as one JSON.
 
-    python -m eval.bar bar.replay=results/stop_heads/replay_mbpp bar.wall=results/stop_heads/wall_mbpp_v7 \
+    python -m eval.bar bar.replay=results/stop_heads/replay_mbpp bar.wall=results/stop_heads/wall_mbpp \
         bar.out=results/stop_heads/bar.json
 
 Reads an `eval.replay` folder (replay.json + prompts.jsonl: cost-model speedups on greedy traces, tuned on
@@ -32,16 +32,26 @@ from omegaconf import DictConfig
 
 from decode.metrics import oracle_gap_closed
 from utils.cli import UserError, hydra_entry
+from utils.stats import bootstrap_ci
 
-NOT_TRAINING_FREE = ("learned", "sprinter", "oracle", "synthetic")
+
+def key_class(key: str):
+    """The policy class of a method key (`learned:disco_mbpp`, `svip[h=0.3]`, `oracle`), found by the policy's name as
+    decode finds it; None for a key that names no policy (the replay's synthetic heads)."""
+    from decode.policies import policy_class
+
+    return policy_class(key.split(":")[0].split("[")[0])
 
 
 def is_learned(key: str) -> bool:
-    return key.split(":")[0].split("[")[0] in ("learned", "sprinter")
+    cls = key_class(key)
+    return cls is not None and cls.learned
 
 
 def is_training_free(key: str) -> bool:
-    return key.split(":")[0].split("[")[0] not in NOT_TRAINING_FREE
+    """Neither a head nor the oracle (nor a synthetic head): what a user can run without training anything."""
+    cls = key_class(key)
+    return cls is not None and not cls.learned and not cls.oracle
 
 
 def per_prompt(path: Path, methods: list[str], fields: tuple[str, ...]) -> tuple[list[str], dict]:
@@ -57,16 +67,6 @@ def per_prompt(path: Path, methods: list[str], fields: tuple[str, ...]) -> tuple
     if len(ids) < 3:
         raise UserError(f"{path} has {len(ids)} prompts shared by {methods}; the bar needs the same prompts for all")
     return ids, {m: {f: np.array([rows[m][i][f] for i in ids], dtype=float) for f in fields} for m in methods}
-
-
-def bootstrap_ci(n: int, stat, n_resamples: int = 4000, confidence: float = 0.95) -> list[list[float]]:
-    """BCa intervals of the vector statistic stat(idx) over resampled prompt indices (seeded)."""
-    from scipy.stats import bootstrap
-
-    res = bootstrap((np.arange(n),), stat, vectorized=True, n_resamples=n_resamples, confidence_level=confidence,
-                    method="BCa", random_state=0)
-    return [[float(lo), float(hi)] for lo, hi in zip(np.atleast_1d(res.confidence_interval.low),
-                                                     np.atleast_1d(res.confidence_interval.high))]
 
 
 def best(speedups: dict, pick) -> str:

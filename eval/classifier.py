@@ -19,7 +19,8 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from data_gen.store import check_compatible, default_trace_folder
+from data_gen.contract import check_compatible, default_trace_folder
+from eval.metrics import BASELINE_LABELS, baseline_auroc, baseline_scores, expected_calibration_error
 from utils.cli import UserError, output_dir
 
 ROUND_BUCKETS = [(0, 0), (1, 1), (2, 2), (3, 3), (4, 7), (8, 15), (16, None)]
@@ -72,15 +73,14 @@ def per_bucket_auroc(scores, labels, positions, buckets) -> dict:
 
 
 def calibration(scores, labels) -> dict:
-    """ECE (torchmetrics) and the reliability curve (sklearn), on labels binarised at 0.5."""
+    """ECE (eval.metrics, as train reports it) and the reliability curve (sklearn), on labels binarised at 0.5."""
     from sklearn.calibration import calibration_curve
-    from torchmetrics.classification import BinaryCalibrationError
 
     y = (np.asarray(labels) >= 0.5).astype(np.int64)
     s = np.clip(np.asarray(scores, dtype=np.float64), 0.0, 1.0)
-    ece = float(BinaryCalibrationError(n_bins=N_BINS, norm="l1")(torch.as_tensor(s, dtype=torch.float32), torch.as_tensor(y)))
     true, pred = calibration_curve(y, s, n_bins=N_BINS, strategy="uniform")
-    return {"ece": ece, "reliability": {"predicted": pred.tolist(), "observed": true.tolist()}}
+    return {"ece": expected_calibration_error(s, y, N_BINS),
+            "reliability": {"predicted": pred.tolist(), "observed": true.tolist()}}
 
 
 def sprinter_report(cols: dict, scores: np.ndarray, threshold: float, starts: np.ndarray, sampled: bool) -> dict:
@@ -111,30 +111,13 @@ def sprinter_report(cols: dict, scores: np.ndarray, threshold: float, starts: np
     return out
 
 
-def baseline_scores(cols: dict) -> dict:
-    """The training-free policies' scores per row: max q (max-confidence's) and −H_q (SVIP's and AdaEDL's: both
-    stop on a monotone function of the entropy)."""
-    out = {}
-    if "draft_topk" in cols:
-        out["max_q"] = np.asarray(cols["draft_topk"], dtype=np.float64)[:, 0]
-    if "draft_entropy" in cols:
-        out["neg_entropy"] = -np.asarray(cols["draft_entropy"], dtype=np.float64)
-    return out
-
-
-def baseline_auroc(cols: dict, y: np.ndarray) -> dict:
-    """AUROC of the training-free scores on the same rows and labels: what the head must beat."""
-    from eval.metrics import classification_metrics
-
-    return {k: classification_metrics(s, y, 0.5)["auroc"] for k, s in baseline_scores(cols).items()}
-
-
 def evaluate(bundle, ds, manifest: dict, folder: Path) -> dict:
     """Every item-1 number (and item 3 for SPRINTER heads) for one checkpoint on one loaded trace split."""
     from data_gen.labels import make_labels
     from eval.metrics import best_f1_threshold, classification_metrics, roc_pr_points, static_length_f1
     from models.features import continuation_starts, features_from_columns, trace_round_positions
-    from data_gen.store import trace_columns
+    from models.heads import head_family
+    from data_gen.contract import trace_columns
 
     names = list(ds.column_names)
     check_compatible(bundle, manifest, folder, names)
@@ -147,7 +130,7 @@ def evaluate(bundle, ds, manifest: dict, folder: Path) -> dict:
 
     want = [c for c in dict.fromkeys(COLUMNS + tuple(required_columns(labels_cfg)) + needed_columns(bundle.spec))
             if c in names]
-    if bundle.spec.kind != "hidden" and "hidden" not in bundle.spec.groups and "draft_hidden" in want:
+    if not bundle.spec.reads_hidden and "draft_hidden" in want:
         want.remove("draft_hidden")
     cols = trace_columns(ds, want)
     y = make_labels(cols, labels_cfg)
@@ -193,7 +176,7 @@ def evaluate(bundle, ds, manifest: dict, folder: Path) -> dict:
         "baseline_auroc": baseline_auroc(cols, y),
         "baseline_curves": {k: roc_pr_points(v, y) for k, v in baseline_scores(cols).items()},
     }
-    if bundle.kind == "sprinter" and all(c in cols for c in ("q_draft", "p_draft", "tvd")):
+    if head_family(bundle.kind, getattr(bundle, "arch", None)).verifier and all(c in cols for c in ("q_draft", "p_draft", "tvd")):
         trace_cfg = (manifest.get("config") or {}).get("trace") or {}
         sampled = str(trace_cfg.get("kind")) == "interleaved" or float(trace_cfg.get("temperature", 0) or 0) > 0
         report["sprinter_theory"] = sprinter_report(cols, scores, bundle.threshold, continuation_starts(cols), sampled)
@@ -268,10 +251,10 @@ def write_plots(reports: list[dict], names: list[str], out: Path) -> list[Path]:
     roc = {n: (*r["curves"]["roc"], r["auroc"]) for n, r in zip(names, reports) if "roc" in r["curves"]}
     # the training-free scores on the first report's rows, drawn beside the heads (the same rows when one trace set)
     first = reports[0]
-    for key, label in (("max_q", "max q (training-free)"), ("neg_entropy", "−H_q (training-free)")):
+    for key, label in BASELINE_LABELS.items():
         curve = (first.get("baseline_curves") or {}).get(key) or {}
         if "roc" in curve:
-            roc[label] = (*curve["roc"], first["baseline_auroc"][key])
+            roc[f"{label} (training-free)"] = (*curve["roc"], first["baseline_auroc"][key])
     pr = {n: (*r["curves"]["pr"], r["ap"]) for n, r in zip(names, reports) if "pr" in r["curves"]}
     rel = {n: (r["reliability"]["predicted"], r["reliability"]["observed"], r["ece"]) for n, r in zip(names, reports)}
     pos = {n: r["per_position_auroc"] for n, r in zip(names, reports)}

@@ -1,7 +1,9 @@
 """One table and one plot from several decode runs that differ in one setting (temperature, draft, dataset).
 
-    python -m eval.collect results/temperature/t* --by temperature --out results/temperature
-    python -m eval.collect results/k_sweep results/k_sweep_2layer --by draft --metric cost_model_speedup --out DIR
+    python -m eval.collect results/specbench_greedy results/specbench_t1 --by temperature --metric cost_model_speedup \
+        --out DIR
+    python -m eval.collect results/draft_scale/2layer results/draft_scale/4layer results/draft_scale/6layer --by dir \
+        --out results/draft_scale
 
 Each run folder holds decode's summary.json and run.json; `--by` names a run.json field (dotted for nested ones), or
 `dir` for the run folder's own name (when the setting that differs is a path, e.g. the draft's weights file).

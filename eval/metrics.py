@@ -1,4 +1,5 @@
-"""The one definition of the stop-classifier metrics, shared by `python -m train` (test step) and `python -m eval`.
+"""The one definition of the stop-classifier metrics, shared by `python -m train` (test step and results.json) and
+`python -m eval`, so the two report the same number for the same head on the same rows.
 
 The positive class is "accepted / continue drafting" (label 1). Soft labels (tvd, accept_prob) are binarised at 0.5
 for every metric here; scores are acceptance probabilities (or any monotone score), higher = more likely accepted.
@@ -110,3 +111,34 @@ def roc_pr_points(scores, labels, max_points: int = 1000) -> dict:
             idx = np.unique(np.linspace(0, len(a) - 1, min(max_points, len(a))).round().astype(int))
             out[name] = (a[idx].tolist(), b[idx].tolist())
     return out
+
+
+def expected_calibration_error(scores, labels, n_bins: int = 15) -> float:
+    """ECE (L1, `n_bins` equal-width bins, torchmetrics BinaryCalibrationError) of scores clipped to [0, 1] against
+    labels binarised at 0.5."""
+    import torch
+    from torchmetrics.classification import BinaryCalibrationError
+
+    s = np.clip(_as_numpy(scores), 0.0, 1.0)
+    ece = BinaryCalibrationError(n_bins=n_bins, norm="l1")
+    return float(ece(torch.as_tensor(s, dtype=torch.float32), torch.as_tensor(binarize(labels))))
+
+
+BASELINE_LABELS = {"max_q": "max q", "neg_entropy": "−H_q"}  # the training-free scores every head is compared with
+
+
+def baseline_scores(cols: dict) -> dict:
+    """The training-free policies' scores per row: max q (max-confidence's) and −H_q (SVIP's and AdaEDL's: both
+    stop on a monotone function of the entropy). `cols`: the trace columns `draft_topk` (sorted) and
+    `draft_entropy`, or the same values read off a DISCO feature vector (train's test rows)."""
+    out = {}
+    if "draft_topk" in cols:
+        out["max_q"] = np.asarray(cols["draft_topk"], dtype=np.float64)[:, 0]
+    if "draft_entropy" in cols:
+        out["neg_entropy"] = -np.asarray(cols["draft_entropy"], dtype=np.float64)
+    return out
+
+
+def baseline_auroc(cols: dict, labels) -> dict:
+    """AUROC of the training-free scores on the same rows and labels: what a head must beat."""
+    return {k: classification_metrics(s, labels, 0.5)["auroc"] for k, s in baseline_scores(cols).items()}

@@ -1,7 +1,7 @@
 """Replay stop policies on greedy traces under the cost model: what a policy would gain, without decoding.
 
     python -m eval.replay +experiment=study/disco_mbpp replay.tune=VAL_TRACES replay.eval=TEST_TRACES \
-        replay.c_from=results/disco_mbpp/run.json replay.out_dir=results/replay_mbpp
+        replay.c_from=results/stop_heads/profile.json replay.out_dir=results/stop_heads/replay_mbpp
 
 A greedy `target_ar` trace holds, at every position of the target's greedy continuation, the draft's features and
 whether its argmax equals the target's token. That is everything a speculative round sees while it stays on the
@@ -45,13 +45,21 @@ from tqdm.auto import tqdm
 from decode import wandb_log
 from decode.metrics import oracle_gap_closed, per_position, speedup_from_costs
 from models.cost import CostProfile
-from decode.policies import Learned, StopPolicy, build_policy, parse_spec
+from decode.policies import Learned, StopPolicy, build_policy, split_spec
 from decode.methods import Method, methods_from_cfg
 from decode.tune import choose, grid_params, tune_grid
 from models.features import DraftStep, VerifyStats, continuation_starts
 from utils.cli import UserError, hydra_entry, output_dir
 
-NOT_REPLAYED = {"hf_assisted": "runs transformers' own loop", "sprinter": "approximate verification (lossy)"}
+
+def not_replayed(cls: type[StopPolicy]) -> str | None:
+    """Why a policy class cannot be replayed on greedy traces (None: it can): an `external` one runs transformers'
+    own loop, an `approximate` one keeps tokens the target never checks — neither is a round of decode.loop."""
+    if cls.external:
+        return "runs transformers' own loop"
+    if cls.approximate:
+        return "approximate verification (lossy)"
+    return None
 
 
 @dataclass
@@ -94,7 +102,8 @@ def check_greedy(manifest: dict, where) -> None:
 
 def load_greedy_traces(folder: Path, names: list[str]) -> tuple[dict, dict]:
     """(columns present among `names`, manifest) of a greedy target_ar trace folder; other folders refused in one line."""
-    from data_gen.store import load_traces, trace_columns
+    from data_gen.contract import trace_columns
+    from data_gen.store import load_traces
 
     folder = Path(folder)
     if not folder.exists():
@@ -138,14 +147,15 @@ def continuations(cols: dict) -> list[Continuation]:
 
 
 def score_auroc(policy: StopPolicy, cols: dict) -> float | None:
-    """AUROC of the per-token score a policy thresholds, on on-path rows (None for rules without one): max q for
-    max-confidence, −H_q for SVIP and AdaEDL, P(accept) for a head — where it sits on the synthetic heads' curve."""
+    """AUROC of the per-token score a policy thresholds, on on-path rows (None for rules without one): its
+    `trace_score` (max q for max-confidence, −H_q for SVIP and AdaEDL), P(accept) for a head — where it sits on the
+    synthetic heads' curve."""
     y = cols["draft_token"] == cols["target_token"]
-    if policy.name == "max_confidence":
+    if policy.trace_score == "max_q":
         score = np.asarray(cols["draft_topk"])[:, 0]
-    elif policy.name in ("svip", "adaedl"):
+    elif policy.trace_score == "neg_entropy":
         score = -np.asarray(cols["draft_entropy"])
-    elif getattr(policy, "bundle", None) is not None:
+    elif policy.learned:
         from models.features import features_from_columns
 
         with torch.no_grad():
@@ -268,10 +278,10 @@ def summarize(rounds_per_cont: list[list[tuple[int, int]]], profile: CostProfile
 def build(method: Method, manifest: dict, folder: Path, profile: CostProfile | None = None,
           columns: list[str] = ()) -> StopPolicy:
     """The method's policy; a head is checked against the traces (pair, tokenizer, the `columns` they hold)."""
-    path = parse_spec(method.spec)[1]
-    pol = build_policy(method.spec, method.params, profile=profile)
+    path = split_spec(method.spec)[1]
+    pol = build_policy(method.spec, method.params, profile=profile, target=method.target)
     if path:
-        from data_gen.store import check_compatible
+        from data_gen.contract import check_compatible
 
         check_compatible(pol.bundle, manifest, folder, list(columns))
     return pol
@@ -499,9 +509,9 @@ def run(cfg: DictConfig) -> dict:
                         f"{man_eval.get('pair_id')}; use one pair's traces for both")
     methods, skipped = [], {}
     for m in methods_from_cfg(cfg):
-        name = parse_spec(m.spec)[0]
-        if name in NOT_REPLAYED:
-            skipped[m.key] = NOT_REPLAYED[name]
+        why = not_replayed(m.policy_class)
+        if why:
+            skipped[m.key] = why
         else:
             methods.append(m)
     grid = tune_grid(cfg, methods, untuned=False)
@@ -519,7 +529,7 @@ def run(cfg: DictConfig) -> dict:
                      "tune_rows": sum(len(x.accepted) for x in conts_tune),
                      "eval_rows": sum(len(x.accepted) for x in conts_eval), "pair": man_eval.get("pair_id"),
                      "grid": grid_cfg},
-        "chosen": {**{m.key: {k: m.params.get(k) for k in grid_params(grid_cfg.get(parse_spec(m.spec)[0]))}
+        "chosen": {**{m.key: {k: m.params.get(k) for k in grid_params(grid_cfg.get(split_spec(m.spec)[0]))}
                       for m in chosen},
                    **{k: {"threshold": round(v["threshold"], 2)} for k, v in synthetic.items()}},
         "eval": table,
@@ -551,7 +561,7 @@ def run(cfg: DictConfig) -> dict:
     return result
 
 
-@hydra_entry("replay")
+@hydra_entry("replay", open_dicts=("policy",))
 def main(cfg: DictConfig) -> None:
     with wandb_log.session(cfg, output_dir(cfg.replay.get("out_dir")), "replay"):  # logger=wandb: offline W&B run
         run(cfg)

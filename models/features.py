@@ -11,6 +11,10 @@ For a drafted position with draft logits z (and last hidden state h):
   token's ids, embedded by the head), `text` (the token classes of x and of the previous token, and the line
   position — `token_classes`), `hidden` (h). Trace loading computes them from stored columns
   (`features_from_columns`), decode from the loop's state (`PlusFeatures`); a test checks both give the same rows.
+
+Each kind is a `FeatureKind` class (`DiscoFeatures`, `HiddenFeatures`, `DiscoPlusFeatures`) that declares its columns,
+the trace columns it is built from and what decode must compute for it. The distribution math these rest on (softmax,
+top-k, entropy, TVD) is models.distributions.
 """
 
 from __future__ import annotations
@@ -20,100 +24,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from models.distributions import entropy, topk_probs
+
 DEFAULT_TOPK = 10
-
-
-def draft_probs(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0) -> torch.Tensor:
-    """q over the vocabulary, in float32. Greedy (T=0) reports the T=1 distribution; top-p truncates and renormalises."""
-    logits = logits.float()
-    if temperature and temperature > 0:
-        logits = logits / temperature
-    probs = torch.softmax(logits, dim=-1)
-    if top_p < 1.0:
-        probs = top_p_filter(probs, top_p)
-    return probs
-
-
-def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
-    """argmax over the last axis, the first maximum as `argmax` returns it: via `max(-1)`, because torch 2.13's CPU
-    argmax of bfloat16 runs scalar code (~180 µs over a 49k vocabulary on one core, every draft step and every
-    verified position) while max(-1) is vectorised (~45 µs); float32 costs the same either way."""
-    return logits.max(-1).indices
-
-
-def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep the smallest set of tokens whose mass reaches top_p (always the top one), renormalised."""
-    sorted_p, idx = probs.sort(dim=-1, descending=True)
-    mass_before = sorted_p.cumsum(-1) - sorted_p
-    sorted_p = torch.where(mass_before < top_p, sorted_p, torch.zeros_like(sorted_p))
-    out = torch.zeros_like(probs).scatter(-1, idx, sorted_p)
-    return out / out.sum(-1, keepdim=True)
-
-
-def entropy(probs: torch.Tensor) -> torch.Tensor:
-    """Shannon entropy in nats along the last axis (0·log 0 = 0)."""
-    return -(probs * torch.log(probs.clamp_min(1e-30))).sum(-1)
-
-
-def top2_margin(probs: torch.Tensor) -> torch.Tensor:
-    """Largest minus second-largest probability along the last axis (how decided a distribution is); the two-stage
-    top-k (`topk_probs`, the same values) because a plain top-2 over 49k entries cost ~125 µs per verification."""
-    top = topk_probs(probs, 2)
-    return top[..., 0] - top[..., 1]
-
-
-def tvd(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Total variation distance ½Σ|p − q| along the last axis (1 − TVD is the exact-sampling acceptance rate)."""
-    return 0.5 * (p - q).abs().sum(-1)
-
-
-def logit_stats(z: torch.Tensor, support: torch.Tensor | None = None, q_support: torch.Tensor | None = None):
-    """What a verification tells a stop head, from the target's logits z (r, V) of greedy verification: (H_p and the
-    top-2 margin of p = softmax(z) at the last row, TVD(p, q) for the first m rows of q given on its support) — the
-    numbers of `entropy`, `top2_margin` and `tvd` (to float rounding) with a fraction of their work.
-
-    Why: a 49k-wide entropy and TVD against stacked 49k-wide q's cost ~0.3 ms per round on one CPU core, as much as
-    the head itself. Here the full-width work is one fused softmax per row plus, on the last row, its top-2 and one
-    dot product: H = log Z − E_p[z] with log Z = max z − log max p (max p is the top-2's first value); and q is
-    exactly 0 off its support, so TVD = ½(Σ_S |p − q| + 1 − Σ_S p) reads only the support's columns
-    (`support=None`: q covers the vocabulary).
-    """
-    z = z.float()
-    p = torch.softmax(z, dim=-1)
-    last = z[-1].clamp_min(torch.finfo(z.dtype).min)  # a masked (−inf) logit has p = 0 and adds nothing to E_p[z]
-    top = topk_probs(p[-1], 2)
-    ent = last.max() - torch.log(top[0]) - torch.dot(p[-1], last)
-    margin = top[0] - top[1]
-    if q_support is None or len(q_support) == 0:
-        return ent, margin, z.new_zeros(0)
-    m = len(q_support)
-    ps = p[:m] if support is None else p[:m].index_select(-1, support)
-    tv = 0.5 * ((ps - q_support).abs().sum(-1) + 1.0 - ps.sum(-1))
-    return ent, margin, tv
-
-
-SMALL_TOPK = 16384  # up to this width (an FR-Spec draft's support) one plain top-k is fewer ops than two stages
-
-
-def topk_probs(probs: torch.Tensor, k: int = DEFAULT_TOPK, chunk: int = 256) -> torch.Tensor:
-    """The k largest probabilities, sorted descending (the values of `probs.topk(k)`, bit for bit).
-
-    Two-stage, because a full top-k over a 49k vocabulary was the largest cost of the DISCO policy per drafted token
-    (~90 µs on one CPU core; this takes ~25): split the vocabulary into chunks, keep the k chunks with the largest
-    maxima, take the top-k of those. Exact: an element outside those chunks has k larger chunk maxima above it, so it
-    cannot be among the k largest. The tail that does not fill a chunk is always kept.
-    """
-    vocab = probs.shape[-1]
-    n = vocab // chunk
-    if n < 2 * k or vocab <= SMALL_TOPK:
-        return probs.topk(k, dim=-1).values
-    lead = probs.shape[:-1]
-    body = probs[..., : n * chunk].reshape(*lead, n, chunk)
-    best = body.amax(-1).topk(k, dim=-1).indices
-    cand = body.gather(-2, best.unsqueeze(-1).expand(*lead, k, chunk)).flatten(-2)
-    if n * chunk < vocab:
-        cand = torch.cat([cand, probs[..., n * chunk :]], dim=-1)
-    return cand.topk(k, dim=-1).values
 
 
 def disco_vector(topk: torch.Tensor, ent: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
@@ -180,8 +93,10 @@ def classes_of(table, token: int):
 class FeatureSpec:
     """What a head reads; stored in its checkpoint and checked by decode/eval against the pair and traces.
 
-    kind: `disco` (top-k + entropy + position), `hidden` (the draft's last hidden state of size d) or `disco_plus`
-    (the DISCO inputs followed by the chosen `groups`, in GROUPS order; `hidden` there appends d values).
+    kind: the name of a `FeatureKind` — `disco` (top-k + entropy + position), `hidden` (the draft's last hidden state
+    of size d) or `disco_plus` (the DISCO inputs followed by the chosen `groups`, in GROUPS order; `hidden` there
+    appends d values). What differs between kinds is the kind class's business (`family`); the spec only holds the
+    numbers, so a checkpoint stores plain values.
     """
 
     kind: str
@@ -199,26 +114,43 @@ class FeatureSpec:
             raise ValueError("the text group needs the tokenizer's token classes (text_classes=pack_classes(...))")
 
     @property
+    def family(self) -> FeatureKind:
+        """The kind's class (`feature_kind`): its columns, trace columns and decode-time needs."""
+        return feature_kind(self.kind)
+
+    @property
     def classes(self):
         """(V, len(CLASSES)) float32 token classes of the `text` group."""
         return unpack_classes(self.text_classes)
 
     @property
     def names(self) -> list[str]:
-        """Column names of the head input, in order (disco_plus; the DISCO part for disco)."""
-        if self.kind == "hidden":
-            return [f"h{i}" for i in range(self.d)]
-        out = [f"top{i + 1}" for i in range(self.k)] + ["draft_entropy", "position_in_round"]
-        if self.kind != "disco_plus":
-            return out
-        for g in self.groups:
-            out += list({"verify": VERIFY, "copy": COPY, "token": TOKEN, "text": TEXT}.get(g, ())) or [
-                f"h{i}" for i in range(self.d)]
-        return out
+        """Column names of the head input, in order."""
+        return self.family.names(self)
 
     @property
     def dim(self) -> int:
-        return len(self.names) if self.kind != "hidden" else self.d
+        return len(self.names)
+
+    @property
+    def reads_probs(self) -> bool:
+        """Whether the head reads the draft distribution (top-k, entropy): decode must compute q for it."""
+        return self.family.reads_probs
+
+    @property
+    def reads_hidden(self) -> bool:
+        """Whether the head reads the draft's hidden state (of size d: traces must store it, the pair must match)."""
+        return self.family.reads_hidden(self)
+
+    @property
+    def needs_context(self) -> bool:
+        """Whether a row needs the decoder's context (prompt + committed output: DraftStep.context)."""
+        return self.family.needs_context(self)
+
+    @property
+    def needs_verify(self) -> bool:
+        """Whether a row needs the last verification's statistics (DraftStep.verify)."""
+        return self.family.needs_verify(self)
 
     def token_columns(self) -> list[int]:
         """Indices of the token-id columns (integers the head embeds; never normalised)."""
@@ -522,14 +454,8 @@ ROUND_COLUMNS = ("draft_token", "target_token", "position", "prompt_id", "kind")
 
 
 def needed_columns(spec: FeatureSpec) -> tuple[str, ...]:
-    """The trace columns `features_from_columns` reads for a spec."""
-    if spec.kind == "hidden":
-        return ("draft_hidden",)
-    cols = ["draft_topk", "draft_entropy", *ROUND_COLUMNS]
-    if spec.kind == "disco_plus":
-        for g in spec.groups:
-            cols += PLUS_COLUMNS[g]
-    return tuple(dict.fromkeys(cols))
+    """The trace columns `features_from_columns` reads for a spec (its kind's `columns`)."""
+    return spec.family.columns(spec)
 
 
 def verify_columns(columns: dict):
@@ -610,22 +536,134 @@ def text_columns(columns: dict, table):
 
 
 def features_from_columns(columns: dict, spec: FeatureSpec) -> torch.Tensor:
-    """Head input (N, spec.dim) float32 from trace columns (a dict of arrays), the same vector decode builds per step.
+    """Head input (N, spec.dim) float32 from trace columns (a dict of arrays), the same vector decode builds per step
+    (its kind's `from_columns`)."""
+    return spec.family.from_columns(columns, spec)
 
-    disco: [draft_topk[:, :k], draft_entropy, position in round] (`disco_vector`; the round position comes from
-    `trace_round_positions`); hidden: draft_hidden as float32; disco_plus: the disco vector then, per group in
-    GROUPS order, `verify_columns`, `copy_token_columns`, `text_columns` and draft_hidden (decode: `PlusFeatures.row`).
-    """
-    if spec.kind in ("disco", "disco_plus"):
+
+# ------------------------------------------------------------------------------------------------- feature kinds
+
+
+class FeatureKind:
+    """One kind of head input (`FeatureSpec.kind`): its columns, the trace columns it is built from, and what decode
+    must compute for it. Every difference between kinds lives in its class, so the stages ask a spec
+    (`spec.reads_probs`, `spec.reads_hidden`, `needed_columns(spec)`, ...) rather than compare kind names; a new kind
+    is one subclass with a new `name` (the string checkpoints store), which `feature_kind` finds."""
+
+    name = ""
+    reads_probs = False  # the DISCO part (top-k q, H_q): decode computes q, traces store draft_topk / draft_entropy
+    grouped = False  # takes optional column groups (`FeatureSpec.groups`, train's model.groups)
+
+    def names(self, spec: FeatureSpec) -> list[str]:
+        """Column names of the head input, in order."""
+        raise NotImplementedError
+
+    def columns(self, spec: FeatureSpec) -> tuple[str, ...]:
+        """The trace columns `from_columns` reads."""
+        raise NotImplementedError
+
+    def from_columns(self, columns: dict, spec: FeatureSpec) -> torch.Tensor:
+        """(N, spec.dim) float32 head input from trace columns."""
+        raise NotImplementedError
+
+    def decoder(self, spec: FeatureSpec, device=None):
+        """The decode-time row builder: `reset()` per prompt, `row(step)` per drafted token (`from_columns`' row)."""
+        raise NotImplementedError
+
+    def reads_hidden(self, spec: FeatureSpec) -> bool:
+        return False
+
+    def needs_context(self, spec: FeatureSpec) -> bool:
+        return False
+
+    def needs_verify(self, spec: FeatureSpec) -> bool:
+        return False
+
+
+class DiscoFeatures(FeatureKind):
+    """DISCO: [draft_topk[:, :k], draft_entropy, position in round] (`disco_vector`; the round position comes from
+    `trace_round_positions`). Decode builds the row with `PlusFeatures` (a DISCO row is a disco_plus row without
+    groups)."""
+
+    name = "disco"
+    reads_probs = True
+
+    def names(self, spec):
+        return [f"top{i + 1}" for i in range(spec.k)] + ["draft_entropy", "position_in_round"]
+
+    def columns(self, spec):
+        return ("draft_topk", "draft_entropy", *ROUND_COLUMNS)
+
+    def from_columns(self, columns, spec):
         topk = torch.as_tensor(_np(columns["draft_topk"]), dtype=torch.float32)
         if topk.ndim != 2 or topk.shape[1] < spec.k:
             raise ValueError(f"draft_topk has shape {tuple(topk.shape)}; the feature spec needs k={spec.k}")
         ent = torch.as_tensor(_np(columns["draft_entropy"]), dtype=torch.float32)
         pos = torch.as_tensor(trace_round_positions(columns), dtype=torch.float32)
-        x = disco_vector(topk[:, : spec.k], ent, pos)
-        if spec.kind == "disco":
-            return x
-        parts = [x]
+        return disco_vector(topk[:, : spec.k], ent, pos)
+
+    def decoder(self, spec, device=None):
+        return PlusFeatures(spec, device=device)
+
+
+class HiddenFeatures(FeatureKind):
+    """SPRINTER / SpecDec++: draft_hidden as float32, d values."""
+
+    name = "hidden"
+
+    def names(self, spec):
+        return [f"h{i}" for i in range(spec.d)]
+
+    def columns(self, spec):
+        return ("draft_hidden",)
+
+    def from_columns(self, columns, spec):
+        hidden = torch.as_tensor(_np(columns["draft_hidden"])).float()
+        if hidden.ndim != 2 or hidden.shape[1] != spec.d:
+            raise ValueError(f"draft_hidden has shape {tuple(hidden.shape)}; the feature spec needs d={spec.d}")
+        return hidden
+
+    def decoder(self, spec, device=None):
+        return HiddenRow()
+
+    def reads_hidden(self, spec):
+        return True
+
+
+class HiddenRow:
+    """The decode-time row of a hidden-state head: the draft's hidden state itself."""
+
+    def reset(self) -> None:
+        pass
+
+    def row(self, step: DraftStep) -> torch.Tensor:
+        return step.hidden.float()
+
+
+GROUP_COLUMNS = {"verify": VERIFY, "copy": COPY, "token": TOKEN, "text": TEXT}  # disco_plus head columns per group
+
+
+class DiscoPlusFeatures(DiscoFeatures):
+    """disco_plus: the disco vector then, per group in GROUPS order, `verify_columns`, `copy_token_columns`,
+    `text_columns` and draft_hidden (decode: `PlusFeatures.row`)."""
+
+    name = "disco_plus"
+    grouped = True
+
+    def names(self, spec):
+        out = super().names(spec)
+        for g in spec.groups:
+            out += list(GROUP_COLUMNS.get(g, ())) or HiddenFeatures().names(spec)
+        return out
+
+    def columns(self, spec):
+        cols = list(super().columns(spec))
+        for g in spec.groups:
+            cols += PLUS_COLUMNS[g]
+        return tuple(dict.fromkeys(cols))
+
+    def from_columns(self, columns, spec):
+        parts = [super().from_columns(columns, spec)]
         if "copy" in spec.groups or "token" in spec.groups:
             copy, tok = copy_token_columns(columns)
         for g in spec.groups:
@@ -638,11 +676,39 @@ def features_from_columns(columns: dict, spec: FeatureSpec) -> torch.Tensor:
             elif g == "text":
                 parts.append(torch.as_tensor(text_columns(columns, spec.classes)))
             else:
-                parts.append(features_from_columns(columns, FeatureSpec("hidden", d=spec.d)))
+                parts.append(HiddenFeatures().from_columns(columns, spec))
         return torch.cat(parts, dim=1)
-    if spec.kind == "hidden":
-        hidden = torch.as_tensor(_np(columns["draft_hidden"])).float()
-        if hidden.ndim != 2 or hidden.shape[1] != spec.d:
-            raise ValueError(f"draft_hidden has shape {tuple(hidden.shape)}; the feature spec needs d={spec.d}")
-        return hidden
-    raise ValueError(f"unknown feature kind '{spec.kind}'")
+
+    def reads_hidden(self, spec):
+        return "hidden" in spec.groups
+
+    def needs_context(self, spec):
+        return bool(CONTEXT_GROUPS & set(spec.groups))
+
+    def needs_verify(self, spec):
+        return "verify" in spec.groups
+
+
+def feature_kinds() -> dict[str, type[FeatureKind]]:
+    """Every feature kind by name: the subclasses of FeatureKind (defining one is all it takes to add it)."""
+    out, todo = {}, [FeatureKind]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            todo.append(sub)
+            if sub.name:
+                out[sub.name] = sub
+    return out
+
+
+_KINDS: dict[str, FeatureKind] = {}  # one instance per kind name, made on first use
+
+
+def feature_kind(name: str) -> FeatureKind:
+    """The feature kind called `name` (ValueError naming the known ones otherwise)."""
+    kind = _KINDS.get(name)
+    if kind is None:
+        cls = feature_kinds().get(name)
+        if cls is None:
+            raise ValueError(f"unknown feature kind '{name}'; known: {', '.join(sorted(feature_kinds()))}")
+        kind = _KINDS[name] = cls()
+    return kind

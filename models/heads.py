@@ -1,6 +1,9 @@
 """Stop heads: draft features → acceptance logit, and the checkpoint bundle decode/eval load.
 
-Three architectures behind one interface (`StopHead`: raw features in, logit out, normalisation inside):
+Head families behind one interface (`StopHead`: raw features in, logit out, normalisation inside); a family is
+`conf/model/<kind>.yaml`, whose `arch._target_` names its network class, and the class declares what differs between
+families (`features`: the feature kind it reads; `raw_input`, `inert_constant_columns`, `cumulative`, `verifier`,
+`arch_for`, `fast_scorer`), so nothing here compares kind names and a new family is one class + one yaml:
 - `disco`: DISCO's shallow 2-layer FFN on [top-10 probs, entropy, position in round] (dim 12).
 - `sprinter`: SPRINTER's single linear layer (+ sigmoid) on the draft's last hidden state.
 - `specdecpp`: SpecDec++'s prediction head, residual blocks x + SiLU(W_i x + b_i) (independent weights per block)
@@ -30,11 +33,31 @@ from models.features import FeatureSpec
 from utils.cli import UserError
 
 CKPT_KEY = "specstop"
-KIND_FEATURES = {"disco": "disco", "sprinter": "hidden", "specdecpp": "hidden", "disco_plus": "disco_plus"}
 
 
-class DiscoFFN(nn.Module):
+class HeadNet(nn.Module):
+    """A head family's network: (normalised) features → logit. Class attributes say how StopHead and decode treat it."""
+
+    features = ""  # the feature kind it reads (models.features.FeatureKind.name)
+    raw_input = False  # forward(xn, x): also gets the raw features (not only the normalised ones)
+    inert_constant_columns = False  # a column constant in training enters as 0 (std = inf) rather than std = 1
+    cumulative = False  # its policy stops when 1 − Π P(accept) over the round exceeds the threshold (SpecDec++)
+    verifier = False  # it decides approximate verification (SPRINTER): eval adds the SPRINTER theory report
+
+    @classmethod
+    def arch_for(cls, spec: FeatureSpec, arch: dict) -> dict:
+        """The constructor's keyword arguments for a spec (the family may add what the spec decides)."""
+        return arch
+
+    def fast_scorer(self, mean, std, t: float, c: float):
+        """Raw features (dim,) → calibrated P(accept) as bare tensor ops (HeadBundle.scorer); None: use the module."""
+        return None
+
+
+class DiscoFFN(HeadNet):
     """DISCO: Linear(dim, hidden) → ReLU → Linear(hidden, 1)."""
+
+    features = "disco"
 
     def __init__(self, in_dim: int, hidden: int = 64, dropout: float = 0.0):
         super().__init__()
@@ -43,9 +66,18 @@ class DiscoFFN(nn.Module):
     def forward(self, x):
         return self.net(x).squeeze(-1)
 
+    def fast_scorer(self, mean, std, t, c):
+        w1, b1 = _fold(self.net[0], mean, std)
+        last = self.net[-1]
+        w2, b2 = (last.weight[0] / t).detach().clone(), (last.bias / t + c).detach().clone()
+        return lambda x: float(torch.sigmoid(torch.dot(w2, torch.relu(torch.addmv(b1, w1, x))) + b2))
 
-class SprinterLinear(nn.Module):
+
+class SprinterLinear(HeadNet):
     """SPRINTER: one linear layer on the hidden state (the sigmoid is applied by `HeadBundle.prob`)."""
+
+    features = "hidden"
+    verifier = True
 
     def __init__(self, in_dim: int):
         super().__init__()
@@ -53,6 +85,17 @@ class SprinterLinear(nn.Module):
 
     def forward(self, x):
         return self.linear(x).squeeze(-1)
+
+    def fast_scorer(self, mean, std, t, c):
+        w1, b1 = _fold(self.linear, mean, std)
+        w, b = w1[0] / t, b1 / t + c
+        return lambda x: float(torch.sigmoid(torch.dot(w, x) + b))
+
+
+def _fold(first: nn.Linear, mean, std):
+    """A first linear layer with the (x − mean) / std normalisation folded in: (W / std, b − (W / std) · mean)."""
+    w1 = (first.weight / std).detach().clone()
+    return w1, (first.bias - w1 @ mean).detach().clone()
 
 
 class ResBlock(nn.Module):
@@ -69,8 +112,11 @@ class ResBlock(nn.Module):
         return x + self.act(self.linear(x))
 
 
-class SpecDecPPHead(nn.Module):
-    """SpecDec++: `num_blocks` ResBlocks (independent weights) then Linear(dim, 1)."""
+class SpecDecPPHead(HeadNet):
+    """SpecDec++: `num_blocks` ResBlocks (independent weights) then Linear(dim, 1); stops on 1 − Π P(accept)."""
+
+    features = "hidden"
+    cumulative = True
 
     def __init__(self, in_dim: int, num_blocks: int = 3):
         super().__init__()
@@ -81,12 +127,22 @@ class SpecDecPPHead(nn.Module):
         return self.out(self.blocks(x)).squeeze(-1)
 
 
-class DiscoPlus(nn.Module):
+class DiscoPlus(HeadNet):
     """logit = a·logit(max q) + FFN([normalised dense features, hashed token embeddings]); a=1, FFN output 0 at init.
 
     Takes (normalised x, raw x): max q (column 0) enters through its raw logit, token-id columns (`token_cols`) as
-    integers hashed into `buckets` rows of one embedding table per column.
+    integers hashed into `buckets` rows of one embedding table per column. A column constant in training is made
+    inert: its features can take values at decode that training never showed (the all-accepted flag: always 0 on
+    target_ar trace rounds), and an untrained first-layer weight would turn them into noise.
     """
+
+    features = "disco_plus"
+    raw_input = True
+    inert_constant_columns = True
+
+    @classmethod
+    def arch_for(cls, spec, arch):
+        return {**arch, "token_cols": spec.token_columns()}
 
     def __init__(self, in_dim: int, token_cols: list | None = None, hidden: int = 64, dropout: float = 0.0,
                  buckets: int = 4096, emb: int = 8):
@@ -109,47 +165,89 @@ class DiscoPlus(nn.Module):
             parts.append(emb((ids * 2654435761) % self.buckets))  # Knuth's multiplicative hash
         return self.a * torch.logit(maxq) + self.ffn(torch.cat(parts, dim=-1)).squeeze(-1)
 
+    def fast_scorer(self, mean, std, t, c):
+        """Normalisation folded into the first layer's dense columns, each token column's embedding table
+        pre-multiplied by its slice of that layer (one row read per id), calibration in the output."""
+        lin1, lin2 = self.ffn[0], self.ffn[-1]
+        # the token columns come last in FeatureSpec order, so the dense ones are usually a prefix: a view, no gather
+        prefix = self.dense_cols == list(range(len(self.dense_cols)))
+        dense = slice(0, len(self.dense_cols)) if prefix else torch.tensor(self.dense_cols, device=mean.device)
+        nd, emb = len(self.dense_cols), (self.embs[0].embedding_dim if len(self.embs) else 0)
+        wd = (lin1.weight[:, :nd] / std[dense]).detach().clone()
+        bd = (lin1.bias - wd @ mean[dense]).detach().clone()
+        tables = [(col, (e.weight @ lin1.weight[:, nd + i * emb : nd + (i + 1) * emb].T).detach().clone())
+                  for i, (col, e) in enumerate(zip(self.token_cols, self.embs))]
+        w2, b2 = (lin2.weight[0] / t).detach().clone(), float(lin2.bias / t + c)
+        a, buckets = float(self.a / t), self.buckets
 
-ARCHS = {"disco": DiscoFFN, "sprinter": SprinterLinear, "specdecpp": SpecDecPPHead, "disco_plus": DiscoPlus}
+        def score(x):
+            h = torch.addmv(bd, wd, x[dense])
+            for col, table in tables:
+                h = h + table[(max(int(x[col]), 0) * 2654435761) % buckets]
+            q = min(max(float(x[0]), 1e-6), 1 - 1e-6)
+            return 1.0 / (1.0 + math.exp(-(a * math.log(q / (1 - q)) + float(torch.dot(w2, torch.relu(h))) + b2)))
+
+        return score
+
+
+def head_kinds() -> list[str]:
+    """The head families: conf/model/*.yaml on the config search path."""
+    from utils import discover
+
+    return discover.names("model")
+
+
+def head_family(kind: str, arch: dict | None = None) -> type[HeadNet]:
+    """A head family's network class: `arch._target_` when given (a checkpoint records it), else the one
+    conf/model/<kind>.yaml names (found by name on the config search path)."""
+    from utils import discover
+
+    target = (arch or {}).get("_target_")
+    if target is None:
+        cfg = discover.load("model", kind)
+        if cfg is None:
+            raise UserError(f"unknown head kind '{kind}'; known: {', '.join(head_kinds())}")
+        target = (cfg.get("arch") or {}).get("_target_")
+    return discover.target_class(target, HeadNet, f"head kind '{kind}' (conf/model/{kind}.yaml arch)")
 
 
 class StopHead(nn.Module):
-    """Raw features (..., dim) → acceptance logit (...): (x − mean) / std, then the architecture.
+    """Raw features (..., dim) → acceptance logit (...): (x − mean) / std, then the family's network.
 
     mean/std are buffers fitted on the training split, so they travel with the weights in every checkpoint.
     """
 
     def __init__(self, kind: str, in_dim: int, arch: dict | None = None):
         super().__init__()
-        if kind not in ARCHS:
-            raise UserError(f"unknown head kind '{kind}'; known: {', '.join(ARCHS)}")
+        from hydra.utils import instantiate
+
+        arch = dict(arch or {})
+        family = head_family(kind, arch)
         self.kind = kind
-        self.net = ARCHS[kind](in_dim, **dict(arch or {}))
+        # built from the family's yaml node (`arch`: `_target_` + keyword arguments); called outside instantiate so a
+        # bad argument fails as the constructor's own error
+        self.net = instantiate({**arch, "_target_": family}, _partial_=True, _convert_="all")(in_dim)
         self.register_buffer("mean", torch.zeros(in_dim))
         self.register_buffer("std", torch.ones(in_dim))
 
     def set_normalization(self, mean: torch.Tensor, std: torch.Tensor) -> None:
-        """Fit on the training features; constant columns keep std 1 (they carry no signal)."""
-        # a column constant in training carries no signal; disco_plus makes it inert (std = inf → input 0) because its
-        # features can take values at decode that training never showed (the all-accepted flag: always 0 on
-        # target_ar trace rounds), and an untrained first-layer weight would turn them into noise
-        fill = torch.full_like(std, math.inf) if self.kind == "disco_plus" else torch.ones_like(std)
+        """Fit on the training features; constant columns keep std 1 (they carry no signal), or std = inf (input 0)
+        for a family that declares `inert_constant_columns`."""
+        fill = torch.full_like(std, math.inf) if self.net.inert_constant_columns else torch.ones_like(std)
         std = torch.where(std > 1e-6, std, fill)
         self.mean.copy_(mean.float())
         self.std.copy_(std.float())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float()
-        if self.kind == "disco_plus":
+        if self.net.raw_input:
             return self.net((x - self.mean) / self.std, x)
         return self.net((x - self.mean) / self.std)
 
 
 def build_head(kind: str, spec: FeatureSpec, arch: dict | None = None) -> StopHead:
     """A fresh head for a kind; refuses a feature spec the kind cannot read."""
-    want = KIND_FEATURES.get(kind)
-    if want is None:
-        raise UserError(f"unknown head kind '{kind}'; known: {', '.join(ARCHS)}")
+    want = head_family(kind, arch).features
     if spec.kind != want:
         raise UserError(f"head kind '{kind}' reads '{want}' features, not '{spec.kind}'")
     if spec.dim <= 0:
@@ -158,11 +256,9 @@ def build_head(kind: str, spec: FeatureSpec, arch: dict | None = None) -> StopHe
 
 
 def head_arch(kind: str, spec: FeatureSpec, arch: dict | None) -> dict:
-    """The architecture kwargs; disco_plus also gets the token-id columns of its spec."""
+    """The architecture kwargs for a spec (`HeadNet.arch_for`: disco_plus adds its spec's token-id columns)."""
     arch = dict(arch or {})
-    if kind == "disco_plus":
-        arch["token_cols"] = spec.token_columns()
-    return arch
+    return head_family(kind, arch).arch_for(spec, arch)
 
 
 def fit_calibration(logits: torch.Tensor, labels: torch.Tensor, mode: str = "platt", weights=None) -> dict:
@@ -228,52 +324,17 @@ class HeadBundle:
     def scorer(self):
         """A function raw features (spec.dim,) → P(accept) as a float, for one drafted token at a time in decode.
 
-        Same numbers as `prob` (a test checks), fewer ops: for the heads that start with a linear layer (DISCO,
-        SPRINTER) the (x − mean) / std normalisation is folded into that layer and the layers run as bare tensor ops,
+        Same numbers as `prob` (a test checks), fewer ops (each family's `fast_scorer`): for the heads that start with a
+        linear layer (DISCO, SPRINTER, disco_plus) the (x − mean) / std normalisation is folded into that layer and the
+        layers run as bare tensor ops,
         because walking the module tree cost ~30 µs per drafted token against ~8 for the folded form. Build it after
         moving the head to its device; it reads a snapshot of the weights.
         """
         net, mean, std = self.head.net, self.head.mean, self.head.std
         # calibration sigmoid(z / T + c) folded into the last layer too
         t, c = float(self.calibration.get("temperature", 1.0)), float(self.calibration.get("bias", 0.0))
-        if isinstance(net, DiscoPlus):
-            return self._plus_scorer(net, mean, std, t, c)
-        first = net.net[0] if isinstance(net, DiscoFFN) else net.linear if isinstance(net, SprinterLinear) else None
-        if first is None:
-            return lambda x: float(self.prob(x))
-        w1 = (first.weight / std).detach().clone()
-        b1 = (first.bias - w1 @ mean).detach().clone()
-        if isinstance(net, SprinterLinear):
-            w, b = w1[0] / t, b1 / t + c
-            return lambda x: float(torch.sigmoid(torch.dot(w, x) + b))
-        last = net.net[-1]
-        w2, b2 = (last.weight[0] / t).detach().clone(), (last.bias / t + c).detach().clone()
-        return lambda x: float(torch.sigmoid(torch.dot(w2, torch.relu(torch.addmv(b1, w1, x))) + b2))
-
-    @staticmethod
-    def _plus_scorer(net: "DiscoPlus", mean, std, t: float, c: float):
-        """disco_plus as bare ops: normalisation folded into the first layer's dense columns, each token column's
-        embedding table pre-multiplied by its slice of that layer (one row read per id), calibration in the output."""
-        lin1, lin2 = net.ffn[0], net.ffn[-1]
-        # the token columns come last in FeatureSpec order, so the dense ones are usually a prefix: a view, no gather
-        prefix = net.dense_cols == list(range(len(net.dense_cols)))
-        dense = slice(0, len(net.dense_cols)) if prefix else torch.tensor(net.dense_cols, device=mean.device)
-        nd, emb = len(net.dense_cols), (net.embs[0].embedding_dim if len(net.embs) else 0)
-        wd = (lin1.weight[:, :nd] / std[dense]).detach().clone()
-        bd = (lin1.bias - wd @ mean[dense]).detach().clone()
-        tables = [(col, (e.weight @ lin1.weight[:, nd + i * emb : nd + (i + 1) * emb].T).detach().clone())
-                  for i, (col, e) in enumerate(zip(net.token_cols, net.embs))]
-        w2, b2 = (lin2.weight[0] / t).detach().clone(), float(lin2.bias / t + c)
-        a, buckets = float(net.a / t), net.buckets
-
-        def score(x):
-            h = torch.addmv(bd, wd, x[dense])
-            for col, table in tables:
-                h = h + table[(max(int(x[col]), 0) * 2654435761) % buckets]
-            q = min(max(float(x[0]), 1e-6), 1 - 1e-6)
-            return 1.0 / (1.0 + math.exp(-(a * math.log(q / (1 - q)) + float(torch.dot(w2, torch.relu(h))) + b2)))
-
-        return score
+        fast = net.fast_scorer(mean, std, t, c)
+        return fast if fast is not None else (lambda x: float(self.prob(x)))
 
     def check_pair(self, pair) -> None:
         """Refuse a pair this head was not trained for (pair id, tokenizer, draft hidden size)."""
@@ -283,7 +344,7 @@ class HeadBundle:
                 f"head{where} was trained on pair {self.pair_id} (tokenizer {self.tokenizer_hash}) but this run uses "
                 f"pair {pair.pair_id} (tokenizer {pair.tokenizer_hash}); train a head for this pair or pick its pair="
             )
-        if self.spec.kind == "hidden" or "hidden" in self.spec.groups:
+        if self.spec.reads_hidden:
             d = int(pair.draft.config.hidden_size)
             if d != self.spec.d:
                 raise UserError(

@@ -9,9 +9,9 @@ states are transformers' *bit for bit* in float32 (tests/test_lean.py checks eve
 preallocated cache instead of concatenated, the causal mask built only when a call has several rows after a cache.
 One departure, in bf16 only: a one-row attention runs in the packed-heads form that avoids torch's slow grouped
 bf16 row (see `hidden`), which rounds some rows differently. Int8 layers' q/k/v and gate/up run as one stacked int8
-product each, with q and k rotated as one tensor (the same bits). `python bench/lean_forward.py` on a 2-core AMD
+product each, with q and k rotated as one tensor (the same bits). `python -m bench.lean_forward` on a 2-core AMD
 EPYC, bf16: draft step 4.67 → 2.73 ms, target step 34.2 → 27.1 ms (transformers' forward → this one;
-bench/results/lean_forward.md).
+results/bench/lean_forward.md).
 
 It applies to models whose config says they are plain Llama blocks (`supports`); anything else keeps transformers'
 forward (`models.lm.LM` decides). The weights are the model's own modules (packed, int8 or reduced-vocabulary heads
@@ -26,13 +26,13 @@ import torch.nn.functional as F
 from models.lm_head import Int8Linear
 
 # configs whose decoder layer is exactly Llama's (RMSNorm → attention with RoPE → RMSNorm → gated SiLU MLP)
-ARCHS = ("llama",)
+SUPPORTED_MODEL_TYPES = ("llama",)
 
 
 def supports(model) -> bool:
     """Whether `model` is a plain Llama decoder this module computes exactly as transformers does."""
     cfg = getattr(model, "config", None)
-    if cfg is None or getattr(cfg, "model_type", None) not in ARCHS:
+    if cfg is None or getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
         return False
     rope = getattr(cfg, "rope_parameters", None) or {}
     base = getattr(model, "model", None)

@@ -8,7 +8,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from data_gen.labels import required_columns
-from models.heads import KIND_FEATURES
+from models.heads import head_family
 from utils.cli import CONF_DIR, known_names
 
 EXPECTED = {"disco_mbpp", "disco_specbench", "sprinter_wikitext2", "sprinter_mbpp", "specdecpp_mbpp", "smoke"}
@@ -60,7 +60,7 @@ def test_every_experiment_composes(name):
     cfg = compose_train(f"+experiment={name}")
     assert cfg.experiment_name == name
     required_columns(cfg.labels)
-    feat = KIND_FEATURES[cfg.model.kind]
+    feat = head_family(cfg.model.kind).features
     if feat == "hidden":  # hidden-state heads need traces that store the draft hidden state
         assert cfg.trace.store_hidden, name
     assert cfg.trace.kind in ("target_ar", "interleaved")

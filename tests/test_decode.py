@@ -15,7 +15,8 @@ from scipy.stats import chisquare
 from decode.loop import autoregressive, speculative
 from models.lm import LM
 from decode.policies import Learned, Sprinter, StopPolicy, build_policy
-from models.features import FeatureSpec, draft_probs, entropy, topk_probs
+from models.distributions import draft_probs, entropy, topk_probs
+from models.features import FeatureSpec
 
 PROMPTS = ["def add(a, b):\n    return", "The quick brown fox", "x = [i * i for i in range(10)]\nprint("]
 
@@ -319,7 +320,7 @@ def test_cli_bad_input_one_line(cli, tmp_path):
     r = cli(*BASE, "policies=[constant,nope]", f"out_dir={tmp_path / 'x'}")
     assert r.returncode == 2
     lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: unknown policy 'nope'; known: target, constant"), r.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: unknown policy 'nope'; known: target, adaedl, constant"), r.stderr
     assert not (tmp_path / "x").exists()
 
 
@@ -521,7 +522,7 @@ def test_tuned_matches_a_lone_head_by_file_stem(tmp_path):
 
     f = tmp_path / "tuned.json"
     f.write_text(json.dumps({"chosen": {"learned:disco_mbpp": {"threshold": 0.6}, "svip": {"h": 0.4}}}))
-    out = apply_tuned([Method("learned", "learned:results/heads/disco_mbpp.ckpt", {"threshold": None}),
+    out = apply_tuned([Method("learned", "learned:models/weights/heads/disco_mbpp.ckpt", {"threshold": None}),
                        Method("sprinter", "sprinter:x/other.ckpt", {"threshold": 0.5}),
                        Method("svip", "svip", {"h": 0.3})], f)
     assert [m.params for m in out] == [{"threshold": 0.6}, {"threshold": 0.5}, {"h": 0.4}]

@@ -62,7 +62,7 @@ def test_decode_rows_equal_trace_rows(plus_traces, tiny_pair):
     from decode.loop import autoregressive, speculative
     from models.features import (GROUPS, TEXT, FeatureSpec, continuation_starts, features_from_columns,
                                  needed_columns, pack_classes, token_classes)
-    from data_gen.store import trace_columns
+    from data_gen.contract import trace_columns
 
     ds, manifest = load_traces(plus_traces)
     spec = FeatureSpec("disco_plus", k=10, d=int(manifest["hidden_size"]), groups=GROUPS,
@@ -229,7 +229,7 @@ def test_disco_plus_trains_calibrates_and_decodes_losslessly(tmp_path, tiny_pair
 
 
 def test_greedy_ids_is_argmax_with_ties():
-    from models.features import greedy_ids
+    from models.distributions import greedy_ids
 
     g = torch.Generator().manual_seed(0)
     for dtype in (torch.bfloat16, torch.float32):
@@ -244,7 +244,7 @@ def test_greedy_ids_is_argmax_with_ties():
 def test_logit_stats_match_the_definitions(subset):
     """What the loop reads from greedy verification logits equals entropy, top2_margin and tvd of p = softmax(z) with
     q given on its support (a reduced-vocabulary draft is 0 elsewhere) — the trace columns' definitions."""
-    from models.features import entropy, logit_stats, top2_margin, tvd
+    from models.distributions import entropy, logit_stats, top2_margin, tvd
 
     g = torch.Generator().manual_seed(1)
     vocab, rows = 3000, 4

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
-from models.features import DraftStep, FeatureSpec, features_from_columns, topk_probs, trace_round_positions
+from models.distributions import topk_probs
+from models.features import DraftStep, FeatureSpec, features_from_columns, trace_round_positions
 from models.heads import CKPT_KEY, HeadBundle, ResBlock, StopHead, build_head, load_head
 from utils.cli import UserError
 
@@ -178,13 +181,22 @@ def test_export_keeps_only_what_decode_reads(tmp_path):
     again = load_head(dst)
     x = torch.randn(3, 12)
     torch.testing.assert_close(again.prob(x), bundle.prob(x))
-    assert again.threshold == 0.4 and (tmp_path / "out" / "h.results.json").is_file()
+    assert again.threshold == 0.4
+    # the record beside it has the shipped heads' form (models/weights/heads/<name>.json): export command + metrics
+    card = json.loads((tmp_path / "out" / "h.json").read_text())
+    assert card["export"].startswith("python -m train.export ") and card["test/auroc"] == 0.7
+    assert "command" not in card  # no Hydra record of the run → no training command to give
     assert "traces" not in torch.load(dst, weights_only=False)[CKPT_KEY]  # no run config → nothing to record
     # with the run's config, the copy records its trace folders, so eval finds them after logs/ is gone
     (run.parent / ".hydra").mkdir()
     (run.parent / ".hydra" / "config.yaml").write_text("trace_dirs: {train: tr, validation: va, test: te}\n")
+    (run.parent / ".hydra" / "hydra.yaml").write_text(
+        "hydra:\n  overrides:\n    hydra: [hydra.mode=RUN, hydra.run.dir=runs/h2]\n"
+        "    task: [+experiment=disco_mbpp, 'model.groups=[copy,token]']\n")
     dst = export(run / "best.ckpt", tmp_path / "out" / "h2.ckpt")
     assert torch.load(dst, weights_only=False)[CKPT_KEY]["traces"] == {"train": "tr", "validation": "va", "test": "te"}
+    card = json.loads((tmp_path / "out" / "h2.json").read_text())
+    assert card["command"] == "python -m train hydra.run.dir=runs/h2 +experiment=disco_mbpp 'model.groups=[copy,token]'"
 
 
 def test_disco_plus_starts_as_max_q_and_embeds_token_ids():

@@ -9,7 +9,8 @@ import torch
 
 from decode.policies import (SVIP, AdaEDL, Constant, Heuristic, Learned, MaxConfidence, OnlineROC, Oracle, Sprinter,
                              build_policy, parse_spec)
-from models.features import DraftStep, FeatureSpec, entropy
+from models.distributions import entropy
+from models.features import DraftStep, FeatureSpec
 from utils.cli import UserError
 
 
@@ -162,7 +163,7 @@ def test_sprinter_is_approximate():
 
 
 def test_bad_specs_give_one_clear_error():
-    with pytest.raises(UserError, match="known: target, constant"):
+    with pytest.raises(UserError, match="known: target, adaedl, constant"):
         parse_spec("nope")
     with pytest.raises(UserError, match="takes no checkpoint"):
         parse_spec("svip:/x.ckpt")

@@ -47,8 +47,8 @@ def test_rounds_equal_decoding(traces, tiny_pair, tmp_path):
 
     params = {"constant": {"k": 3}, "oracle": {}, "svip": {"h": 0.9}, "max_confidence": {"lam": 0.2}}
     decode(cfg_of("decode", "pair=tiny_random", "dataset=mbpp", "split=test", f"limit={N_PROMPTS}",
-                  f"max_new_tokens={NEW}", "plots=false", "warmup=false", "policy.constant.k=3", "policy.svip.h=0.9",
-                  "policy.max_confidence.lam=0.2", f"policies=[{','.join(params)}]", f"out_dir={tmp_path}"))
+                  f"max_new_tokens={NEW}", "plots=false", "warmup=false", "++policy.constant.k=3", "++policy.svip.h=0.9",
+                  "++policy.max_confidence.lam=0.2", f"policies=[{','.join(params)}]", f"out_dir={tmp_path}"))
     rows = [json.loads(line) for line in (tmp_path / "prompts.jsonl").read_text().splitlines()]
     conts, _, _ = load_continuations(traces["test"])
     assert len(conts) == N_PROMPTS
@@ -164,26 +164,26 @@ def test_cli_refuses_a_training_experiment(cli):
 
 
 def test_head_features_bench(traces, tmp_path):
-    """bench/head_features.py on tiny traces: one AUROC per feature set, the baselines recomputed independently."""
-    import importlib.util
-
+    """bench.head_features on tiny traces: one AUROC per feature set, the baselines recomputed independently."""
     from sklearn.metrics import roc_auc_score
 
+    from bench import head_features as mod
     from data_gen.store import load_traces
 
-    spec = importlib.util.spec_from_file_location("head_features", REPO / "bench" / "head_features.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    mod.main(["--train", str(traces["validation"]), "--test", str(traces["test"]), "--out", str(tmp_path)])
+    mod.run(cfg_of("bench/head_features", f"train=[{traces['validation']}]", f"test={traces['test']}",
+                   f"out_dir={tmp_path}"))
     res = json.loads((tmp_path / "head_features.json").read_text())
     assert set(res["train"][0]["auroc"]) == set(mod.SETS)
     assert all(0.0 <= a <= 1.0 for a in res["train"][0]["auroc"].values())
     cols = load_traces(traces["test"])[0].with_format("numpy")[:]
     y = np.asarray(cols["draft_token"]) == np.asarray(cols["target_token"])
     assert res["baselines"]["max_q"] == pytest.approx(roc_auc_score(y, np.stack(cols["draft_topk"])[:, 0]))
-    with pytest.raises(SystemExit):
-        mod.main(["--train", str(traces["sampled"]), "--test", str(traces["test"]), "--out", str(tmp_path / "x")])
+    with pytest.raises(UserError, match="greedy"):  # sampled traces: refused in one line, nothing written
+        mod.run(cfg_of("bench/head_features", f"train={traces['sampled']}", f"test={traces['test']}",
+                       f"out_dir={tmp_path / 'x'}"))
     assert not (tmp_path / "x").exists()
+    with pytest.raises(UserError, match="train=TRACES"):
+        mod.run(cfg_of("bench/head_features", f"out_dir={tmp_path / 'x'}"))
 
 
 def test_replay_logger_wandb_offline_run_holds_the_table(tmp_path):

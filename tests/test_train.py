@@ -94,6 +94,37 @@ def test_fast_dev_run_each_head_round_trips(tmp_path, model, labels):
     assert not torch.allclose(bundle.head.std, torch.ones_like(bundle.head.std))  # normalisation fitted and saved
 
 
+# every key results.json has had: train reports through eval's functions (eval.metrics, eval.plots) since issue 28
+RESULTS_JSON_KEYS = {
+    "test/auroc", "test/ap", "test/f1", "test/precision", "test/recall", "test/f1_static_best", "test/k_static_best",
+    "test/positive_rate", "test/rows", "val/auroc", "threshold", "threshold_mode", "calibration", "test/ece",
+    "ckpt_path", "kind", "labels", "pair_id", "dataset", "speed_rule", "train_rows", "epochs",
+    "test/auroc_max_q", "test/auroc_neg_entropy", "roc_png", "pr_png",
+}
+
+
+def test_results_json_keeps_its_keys_and_eval_gives_the_same_numbers(tmp_path):
+    """results.json's ECE and training-free AUROCs are what `python -m eval` computes (eval.classifier) for the same
+    head on the test traces' own columns."""
+    from data_gen.contract import trace_columns
+    from eval.classifier import baseline_auroc, calibration
+    from models.features import features_from_columns
+
+    cfg = cfg_for("model=disco", "trainer=fast_dev_run")
+    traces, manifests = splits()
+    run(cfg, tmp_path, traces, manifests)
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert set(saved) == RESULTS_JSON_KEYS
+    assert Path(saved["roc_png"]).is_file() and Path(saved["pr_png"]).is_file()
+    cols = trace_columns(traces["test"], traces["test"].column_names)
+    y = (cols["draft_token"] == cols["target_token"]).astype(np.float32)  # greedy_match
+    assert saved["test/auroc_max_q"] == baseline_auroc(cols, y)["max_q"]
+    assert saved["test/auroc_neg_entropy"] == baseline_auroc(cols, y)["neg_entropy"]
+    bundle = load_head(saved["ckpt_path"])
+    scores = bundle.prob(features_from_columns(cols, bundle.spec)).numpy()
+    assert saved["test/ece"] == pytest.approx(calibration(scores, y)["ece"], abs=1e-6)
+
+
 def test_training_learns_and_beats_static(tmp_path):
     cfg = cfg_for("model=disco", "trainer.max_epochs=15", "data.batch_size=64")
     res = run(cfg, tmp_path, *splits())
@@ -170,7 +201,7 @@ def test_prompt_in_two_splits_refused(tmp_path):
 def smoke_traces(tmp_path_factory, tiny_pair):
     """The smoke experiment's traces, generated once in-process (the CLI runs below then reuse them)."""
     from data_gen.run import generate
-    from data_gen.store import split_cfg
+    from data_gen.contract import split_cfg
 
     root = tmp_path_factory.mktemp("traces")
     cfg = cfg_for("+experiment=smoke", f"trace_root={root}")
@@ -219,7 +250,7 @@ def test_cli_unknown_experiment_one_line(cli):
 def test_sprinter_on_tiny_interleaved_traces(tmp_path, tiny_pair):
     """Real data_gen traces (interleaved, hidden states stored) → SPRINTER head; the spec's d is the draft's hidden size."""
     from data_gen.run import generate
-    from data_gen.store import split_cfg
+    from data_gen.contract import split_cfg
     from train.job import load_traces
 
     cfg = cfg_for("+experiment=smoke", "trace=interleaved", "model=sprinter", "labels=ratio", "labels.tau=1.5",

@@ -15,7 +15,7 @@ from scipy.stats import chisquare
 
 from eval.theory import sprinter_mixture
 from decode.verify import greedy_verify, residual, sample_verify, sprinter_verify
-from models.features import tvd
+from models.distributions import tvd
 
 P = torch.tensor([[0.50, 0.25, 0.15, 0.10], [0.10, 0.20, 0.30, 0.40], [0.25, 0.25, 0.25, 0.25]])
 Q = torch.tensor([[0.20, 0.40, 0.10, 0.30], [0.40, 0.30, 0.20, 0.10]])

@@ -15,8 +15,8 @@ import torch
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader, TensorDataset, WeightedRandomSampler
 
-from data_gen.store import HEAD_SPLITS as SPLITS
-from data_gen.store import trace_columns
+from data_gen.contract import HEAD_SPLITS as SPLITS
+from data_gen.contract import trace_columns
 from data_gen.labels import is_soft, make_labels, make_weights, required_columns, weight_columns
 from models.features import FeatureSpec, features_from_columns, needed_columns, trace_round_positions
 from utils.cli import UserError
@@ -106,7 +106,7 @@ class TraceDataModule(L.LightningDataModule):
         x = self.data["train"]["x"]
         if self.normalize:
             self.mean, self.std = x.mean(0), x.std(0) if len(x) > 1 else torch.ones(x.shape[1])
-            tok = self.spec.token_columns() if self.spec.kind == "disco_plus" else []
+            tok = self.spec.token_columns()  # [] for a kind without token-id columns
             self.mean[tok], self.std[tok] = 0.0, 1.0  # token ids are embedded by the head, never normalised
         y = self.data["train"]["y"]
         pos, n = float(y.sum()), float(len(y))

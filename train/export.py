@@ -1,24 +1,27 @@
-"""Publish a trained head: copy a `python -m train` checkpoint without optimizer/loop state, plus its results.json.
+"""Publish a trained head: copy a `python -m train` checkpoint without optimizer/loop state, plus its record.
 
-    python -m train.export logs/train/runs/<run>/checkpoints/best.ckpt results/heads/disco_mbpp.ckpt
+    python -m train.export logs/train/runs/<run>/checkpoints/best.ckpt models/weights/heads/disco_mbpp.ckpt
 
 The copy keeps exactly what `models.heads.load_head` reads (the `specstop` entry and the head's weights), so decode
-and eval use it like the original; a SpecDec++ checkpoint shrinks from ~12 MB to ~4 MB. The run's results.json (test
-metrics, threshold, data) is written next to it as <name>.results.json. The trace folders the head was trained and
-tested on are recorded in the copy (`specstop.traces`), so `python -m eval ckpt=<copy>` finds them once the run's
-logs are gone. argparse, not Hydra: a file copy from one path to another, with nothing to configure.
-"""
+and eval use it like the original; a SpecDec++ checkpoint shrinks from ~12 MB to ~4 MB. Next to it goes <name>.json,
+the form of the shipped heads' records (models/weights/heads/*.json): `command` (the training run's command line,
+from its .hydra/hydra.yaml), `export` (this command) and the run's results.json (test metrics, threshold, data). The
+trace folders the head was trained and tested on are recorded in the copy (`specstop.traces`), so
+`python -m eval ckpt=<copy>` finds them once the run's logs are gone. argparse, not Hydra: a file copy from one path to
+another, with nothing to configure."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import shutil
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 
-from data_gen.store import HEAD_SPLITS, default_trace_folder, training_config
+from data_gen.contract import HEAD_SPLITS, default_trace_folder, training_config
 from models.heads import CKPT_KEY, load_head
 from utils.cli import UserError, fail
 from utils.files import atomic_write
@@ -34,13 +37,27 @@ def export(src: Path, dst: Path) -> Path:
     atomic_write(dst, lambda tmp: torch.save(slim, tmp))
     results = src.parent.parent / "results.json"
     if results.is_file():
-        meta = json.loads(results.read_text())
-        meta["exported_from"] = str(src)
-        dst.with_suffix(".results.json").write_text(json.dumps(meta, indent=2))
+        command = train_command(src)
+        record = {**({"command": command} if command else {}),
+                  "export": " ".join(["python -m train.export", shlex.quote(str(src)), shlex.quote(str(dst))]),
+                  **json.loads(results.read_text())}
+        dst.with_suffix(".json").write_text(json.dumps(record, indent=2))
     for png in ("roc.png", "pr.png"):
         if (src.parent / png).is_file():
             shutil.copyfile(src.parent / png, dst.with_suffix(f".{png}"))
     return dst
+
+
+def train_command(ckpt: Path) -> str | None:
+    """The command line of the training run a checkpoint comes from (`python -m train` + its Hydra overrides, from
+    `<run dir>/.hydra/hydra.yaml`); None when the run left no Hydra record."""
+    for parent in list(ckpt.resolve().parents)[:3]:
+        path = parent / ".hydra" / "hydra.yaml"
+        if path.is_file():
+            overrides = OmegaConf.load(path).hydra.overrides
+            args = [a for a in [*overrides.hydra, *overrides.task] if not str(a).startswith("hydra.mode=")]
+            return " ".join(["python -m train", *(shlex.quote(str(a)) for a in args)])
+    return None
 
 
 def main() -> None:

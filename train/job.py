@@ -8,6 +8,9 @@ decode needs), calibrate it and store its speed rule, reload it with `models.hea
 - `results.json` (test/auroc, test/ap, test/f1, test/f1_static_best, threshold, ckpt_path, ...),
 - `checkpoints/best.ckpt` with `roc.png` and `pr.png` beside it (and to W&B as plots when W&B is on),
 - `csv/` (always) and `wandb/` (offline by default; `wandb sync <run dir>/wandb/offline-run-*` uploads later).
+
+Its numbers and plots come from eval's one definition of each (eval.metrics: metrics, ECE, the max q / −H_q
+baselines; eval.plots: the curves), so results.json and `python -m eval` agree on the same rows.
 """
 
 from __future__ import annotations
@@ -23,12 +26,11 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from utils import wandb_run
-from data_gen.store import HEAD_SPLITS as SPLITS
-from data_gen.store import split_cfg
+from data_gen.contract import HEAD_SPLITS as SPLITS
+from data_gen.contract import split_cfg
 from utils.cli import UserError
 
 log = logging.getLogger("train")
-BASELINE_LABELS = {"max_q": "max q", "neg_entropy": "−H_q"}  # the training-free scores a head is compared with
 
 
 def quiet_lightning() -> None:
@@ -151,31 +153,33 @@ def text_classes(cfg: DictConfig, manifest: dict) -> str:
 
 
 def feature_spec(cfg: DictConfig, manifest: dict):
-    from models.features import FeatureSpec
-    from models.heads import KIND_FEATURES
+    """The head's feature spec: the feature kind its family reads (models.heads), sized from the traces' manifest."""
+    from models.features import FeatureSpec, feature_kind
+    from models.heads import head_family, head_kinds
 
     kind = str(cfg.model.kind)
-    if kind not in KIND_FEATURES:
-        raise UserError(f"unknown model.kind '{kind}'; known: {', '.join(KIND_FEATURES)}")
-    if KIND_FEATURES[kind] in ("disco", "disco_plus"):
+    if kind not in head_kinds():
+        raise UserError(f"unknown model.kind '{kind}'; known: {', '.join(head_kinds())}")
+    features = feature_kind(head_family(kind).features)
+    if features.reads_probs:
         k = int(cfg.model.get("k", 10))
         have = int(manifest.get("topk", k))
         if have < k:
             raise UserError(f"DISCO head needs top-{k} probabilities but the traces stored top-{have}; set model.k<={have}")
-        if kind != "disco_plus":
-            return FeatureSpec("disco", k=k)
+        if not features.grouped:
+            return FeatureSpec(features.name, k=k)
         groups = list(cfg.model.get("groups") or [])
         text = text_classes(cfg, manifest) if "text" in groups else ""
         try:
-            spec = FeatureSpec("disco_plus", k=k, groups=groups, text_classes=text)
+            spec = FeatureSpec(features.name, k=k, groups=groups, text_classes=text)
         except ValueError as err:
             raise UserError(f"model.groups: {err}") from None
-        if "hidden" in spec.groups:
+        if spec.reads_hidden:
             d = int(manifest.get("hidden_size", 0) or 0)
             if d <= 0:
                 raise UserError("model.groups has 'hidden' but these traces have no hidden states; regenerate with "
                                 "trace.store_hidden=true or drop 'hidden' from model.groups")
-            spec = FeatureSpec("disco_plus", k=k, d=d, groups=groups, text_classes=text)
+            spec = FeatureSpec(features.name, k=k, d=d, groups=groups, text_classes=text)
         return spec
     d = int(manifest.get("hidden_size", 0) or 0)
     if d <= 0:
@@ -183,7 +187,7 @@ def feature_spec(cfg: DictConfig, manifest: dict):
             f"head kind '{kind}' reads draft hidden states but these traces have none; "
             "regenerate with trace.store_hidden=true (the experiment configs set it)"
         )
-    return FeatureSpec("hidden", k=int(manifest.get("topk", 10)), d=d)
+    return FeatureSpec(features.name, k=int(manifest.get("topk", 10)), d=d)
 
 
 # -------------------------------------------------------------------------------------------------------- logging
@@ -225,32 +229,21 @@ def make_loggers(cfg: DictConfig, run_dir: Path) -> list:
 # ---------------------------------------------------------------------------------------------------------- plots
 
 
-def save_curves(points: dict, out_dir: Path, title: str, roc_baselines: dict | None = None,
-                label: str = "head") -> dict[str, Path]:
-    """ROC and PR curves as PNG files in `out_dir` (beside the checkpoint); `roc_baselines` (label → (fpr, tpr)) are
-    drawn beside the head's ROC: the training-free scores on the same rows."""
-    from utils.plotting import pyplot
-
-    plt = pyplot()
+def save_curves(points: dict, base_points: dict, results: dict, out_dir: Path, title: str) -> dict[str, Path]:
+    """ROC and PR curves as PNG files in `out_dir` (beside the checkpoint), drawn by eval.plots as `python -m eval`
+    draws them; the ROC has the training-free scores on the same rows (`base_points`: name → (fpr, tpr)) beside the
+    head's."""
+    from eval import plots
+    from eval.metrics import BASELINE_LABELS
 
     paths = {}
-    labels = {"roc": ("false positive rate", "true positive rate"), "pr": ("recall", "precision")}
-    for name, (xs, ys) in points.items():
-        fig, ax = plt.subplots(figsize=(4.5, 4))
-        ax.plot(xs, ys, label=label)
-        if name == "roc":
-            for other, (bx, by) in (roc_baselines or {}).items():
-                ax.plot(bx, by, lw=1, label=other)
-            ax.plot([0, 1], [0, 1], ls="--", c="grey", lw=0.8)
-            if roc_baselines:
-                ax.legend(fontsize=7, loc="lower right")
-        ax.set_xlabel(labels[name][0])
-        ax.set_ylabel(labels[name][1])
-        ax.set_title(f"{name.upper()}: {title}", fontsize=9)
-        fig.tight_layout()
-        paths[name] = out_dir / f"{name}.png"
-        fig.savefig(paths[name], dpi=110)
-        plt.close(fig)
+    if "roc" in points:
+        curves = {"head": (*points["roc"], results["test/auroc"])}
+        curves.update({BASELINE_LABELS[n]: (*curve, results[f"test/auroc_{n}"]) for n, curve in base_points.items()
+                       if curve})
+        paths["roc"] = plots.roc(curves, out_dir / "roc.png", title=f"ROC: {title}")
+    if "pr" in points:
+        paths["pr"] = plots.pr({"head": (*points["pr"], results["test/ap"])}, out_dir / "pr.png", title=f"PR: {title}")
     return paths
 
 
@@ -361,7 +354,8 @@ def fit_head(cfg: DictConfig, run_dir: Path, traces: dict, manifest: dict, spec,
 def test_report(cfg: DictConfig, fit: Fit, spec, speed: dict | None, loggers: list) -> dict:
     """The calibrated head reloaded from its checkpoint on the test rows: metrics next to the training-free scores
     on the same rows, ROC/PR curves beside the checkpoint (and to the loggers)."""
-    from eval.metrics import classification_metrics, roc_pr_points, static_length_f1
+    from eval.metrics import (baseline_auroc, baseline_scores, classification_metrics, expected_calibration_error,
+                              roc_pr_points, static_length_f1)
     from models.heads import load_head
 
     bundle = load_head(fit.ckpt_path)
@@ -395,31 +389,20 @@ def test_report(cfg: DictConfig, fit: Fit, spec, speed: dict | None, loggers: li
         "epochs": fit.epochs,
     }
     baselines = {}
-    if spec.kind in ("disco", "disco_plus"):  # raw features (the head normalises inside): top-1 q, then H_q at k
+    if spec.reads_probs:  # raw features (the head normalises inside): top-k q, then H_q at k
         x = test["x"].numpy()
-        baselines = {"max_q": x[:, 0], "neg_entropy": -x[:, spec.k]}
-        for name, b in baselines.items():
-            results[f"test/auroc_{name}"] = classification_metrics(b, y, 0.5)["auroc"]
+        cols = {"draft_topk": x[:, : spec.k], "draft_entropy": x[:, spec.k]}  # the trace columns they were built from
+        baselines = baseline_scores(cols)
+        results.update({f"test/auroc_{name}": auroc for name, auroc in baseline_auroc(cols, y).items()})
     points = roc_pr_points(scores, y)
     base_points = {name: roc_pr_points(b, y).get("roc") for name, b in baselines.items()}
-    pngs = save_curves(points, fit.ckpt_path.parent, f"{cfg.get('experiment_name', bundle.kind)} ({bundle.kind})",
-                       {f"{BASELINE_LABELS[n]} (AUROC {results[f'test/auroc_{n}']:.3f})": curve
-                        for n, curve in base_points.items() if curve},
-                       f"head (AUROC {results['test/auroc']:.3f})")
+    pngs = save_curves(points, base_points, results, fit.ckpt_path.parent,
+                       f"{cfg.get('experiment_name', bundle.kind)} ({bundle.kind})")
     results.update({f"{k}_png": str(v) for k, v in pngs.items()})
     for lg in loggers:
         lg.log_metrics({k: v for k, v in results.items() if k.startswith("test/") and isinstance(v, (int, float))})
     log_curves_wandb(loggers, points, pngs)
     return results
-
-
-def expected_calibration_error(scores, labels, n_bins: int = 15) -> float:
-    """ECE (L1, equal-width bins) of scores against hard labels (soft ones binarised at 0.5), as `python -m eval`."""
-    import torch
-    from torchmetrics.classification import BinaryCalibrationError
-
-    y = (torch.as_tensor(labels) >= 0.5).long()
-    return float(BinaryCalibrationError(n_bins=n_bins, norm="l1")(torch.as_tensor(scores, dtype=torch.float32), y))
 
 
 def calibrate_checkpoint(path: Path, val: dict, mode: str, threshold_mode: str, threshold: float) -> dict:
@@ -448,7 +431,7 @@ def store_speed_rule(path: Path, val_ds, val_manifest: dict, conf) -> dict | Non
     """Choose the head's stop rule for speed on the validation traces (eval.replay.speed_rule: the cost model under
     the profile the traces were made with) and store it in the checkpoint, so `learned:<ckpt>` decodes with it
     without a tuning step. Skipped (None, with a note) for heads the replay cannot run and traces with no profile."""
-    from data_gen.store import trace_columns
+    from data_gen.contract import trace_columns
     from eval.replay import CONTINUATION_COLUMNS, continuations, speed_rule
     from models.cost import CostProfile
     from models.heads import load_head, update_head_meta
@@ -457,7 +440,7 @@ def store_speed_rule(path: Path, val_ds, val_manifest: dict, conf) -> dict | Non
         return None
     bundle = load_head(path)
     greedy = val_manifest.get("trace_kind") == "target_ar" and float(val_manifest.get("temperature") or 0) == 0.0
-    if bundle.kind not in ("disco", "disco_plus") or not greedy or not val_manifest.get("cost_profile"):
+    if not bundle.spec.reads_probs or not greedy or not val_manifest.get("cost_profile"):
         print(f"speed rule: not chosen ({bundle.kind} head, {val_manifest.get('trace_kind')} traces"
               f"{'' if val_manifest.get('cost_profile') else ', no cost profile in the traces'}); decode uses the "
               "stored threshold", flush=True)
@@ -470,6 +453,8 @@ def store_speed_rule(path: Path, val_ds, val_manifest: dict, conf) -> dict | Non
 
 
 def print_table(results: dict) -> None:
+    from eval.metrics import BASELINE_LABELS
+
     r = results
     lab = r["labels"]
     scheme = lab.get("name") + (f" tau={lab['tau']}" if "tau" in lab else "")

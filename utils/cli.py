@@ -96,8 +96,22 @@ def fail(message: str) -> None:
     sys.exit(2)
 
 
-def hydra_entry(config_name: str) -> Callable:
-    """`@hydra_entry("decode")` = `@hydra.main` on conf/decode.yaml, with user errors reported as one line."""
+def open_overrides(argv: list[str], open_dicts: tuple[str, ...]) -> list[str]:
+    """`KEY.x.y=V` → `++KEY.x.y=V` for a config's open dicts (decode's `policy`): their entries come from files read
+    only when needed (conf/policy/<name>.yaml), so the key may not exist at composition and Hydra would refuse a plain
+    override; `++` adds it or overrides it. Prefixed (`+`, `++`, `~`) and non-override arguments pass unchanged."""
+    out = []
+    for arg in argv:
+        key = arg.split("=", 1)[0]
+        if "=" in arg and not arg.startswith(("-", "+", "~")) and key.split(".")[0] in open_dicts and "." in key:
+            arg = "++" + arg
+        out.append(arg)
+    return out
+
+
+def hydra_entry(config_name: str, open_dicts: tuple[str, ...] = ()) -> Callable:
+    """`@hydra_entry("decode")` = `@hydra.main` on conf/decode.yaml, with user errors reported as one line;
+    `open_dicts`: top-level dicts whose entries a plain `KEY.x.y=V` may add (`open_overrides`)."""
 
     def decorate(task: Callable) -> Callable:
         @functools.wraps(task)
@@ -115,6 +129,7 @@ def hydra_entry(config_name: str) -> Callable:
                 _check_argv_groups(sys.argv[1:], config_name)
             except UserError as err:
                 fail(str(err))
+            sys.argv[1:] = open_overrides(sys.argv[1:], open_dicts)
             return hydra_main()
 
         return main
