@@ -44,23 +44,25 @@ LABELS = {"target_only": "target-only generate()", "transformers_dynamic": "tran
           "ours": "ours: stop head in generate()"}
 
 
+@torch.inference_mode()
+def timed_generate(pair, prompt_ids: list[int], max_new_tokens: int, eos: set[int] | None, **extra):
+    """(new tokens, seconds) of one greedy `target.generate()` call, `extra` naming the assistant and hook."""
+    x = torch.tensor([prompt_ids], device=pair.device)
+    clock = Clock(pair.device)
+    t0 = clock()
+    out = pair.target.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new_tokens,
+                               eos_token_id=sorted(eos or []), pad_token_id=pair.tokenizer.pad_token_id, **extra)
+    return out[0, len(prompt_ids):].tolist(), clock() - t0
+
+
 class Plain:
     """Target-only greedy `generate()`: the baseline every speedup divides by."""
 
     def __init__(self, pair):
         self.pair = pair
 
-    @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, eos: set[int] | None = None) -> GenResult:
-        pair = self.pair
-        x = torch.tensor([prompt_ids], device=pair.device)
-        clock = Clock(pair.device)
-        t0 = clock()
-        out = pair.target.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
-                                   max_new_tokens=max_new_tokens, eos_token_id=sorted(eos or []),
-                                   pad_token_id=pair.tokenizer.pad_token_id)
-        wall = clock() - t0
-        tokens = out[0, len(prompt_ids):].tolist()
+        tokens, wall = timed_generate(self.pair, prompt_ids, max_new_tokens, eos)
         return GenResult(tokens=tokens, wall_s=wall, target_calls=len(tokens))
 
 
@@ -75,19 +77,12 @@ class Ours:
         self.hook = stop_policy_generator(str(repo_path(cfg.ckpt)), self.assistant, pair=pair,
                                           profile=lambda: get_profile(pair, cfg.profile), **params)
 
-    @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, eos: set[int] | None = None) -> GenResult:
-        pair = self.pair
-        x = torch.tensor([prompt_ids], device=pair.device)
-        clock = Clock(pair.device)
-        t0 = clock()
-        out = pair.target.generate(x, attention_mask=torch.ones_like(x), assistant_model=self.assistant,
-                                   custom_generate=self.hook, do_sample=False, max_new_tokens=max_new_tokens,
-                                   eos_token_id=sorted(eos or []), pad_token_id=pair.tokenizer.pad_token_id)
-        wall = clock() - t0
+        tokens, wall = timed_generate(self.pair, prompt_ids, max_new_tokens, eos, assistant_model=self.assistant,
+                                      custom_generate=self.hook)
         rounds = list(self.hook.rounds)
         drafted = sum(k for k, _ in rounds)
-        return GenResult(tokens=out[0, len(prompt_ids):].tolist(), wall_s=wall, target_calls=len(rounds),
+        return GenResult(tokens=tokens, wall_s=wall, target_calls=len(rounds),
                          draft_calls=drafted, drafted=drafted, accepted=sum(n for _, n in rounds), rounds=rounds)
 
 
