@@ -207,6 +207,7 @@ def run(cfg: DictConfig) -> None:
     pcfg = pair_config(cfg)
     pair = load_pair(pcfg)
     torch.manual_seed(0)
+    t0 = time.time()
     sets = continuation_sets(cfg, pair)
     code = sets["mbpp"]
     wt = load_prompts(OmegaConf.load(CONF_DIR / "dataset/wikitext2.yaml"), "test", 20)

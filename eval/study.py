@@ -246,7 +246,7 @@ def headline(results: Path, study: Study | None = None) -> str:
 
     study = study or load_study()
     h = study.headline
-    wall, bar_path, replay = results / h["wall"], results / h["bar"], results / h["replay"]
+    wall, bar_path = results / h["wall"], results / h["bar"]
     if not ((wall / "summary.json").is_file() and bar_path.is_file()):
         return "No results yet: run the commands of results/README.md, then `python -m eval.study`.\n"
     summary, run, bar = _load(wall / "summary.json"), _load(wall / "run.json"), _load(bar_path)

@@ -266,7 +266,6 @@ def write_shard(folder: Path, index: int, rows: list[dict], extra: dict) -> dict
 
 def export_seqs(seq_dir: Path, index: int, rows: list[dict], chash: str) -> None:
     """The shard's token ids (no top-k) as zstd parquet: small enough to commit, enough to rebuild the shard."""
-    import pyarrow as pa
     import pyarrow.parquet as pq
 
     t = _table(rows).select(list(SEQ_COLUMNS)).replace_schema_metadata({"config_hash": chash})
