@@ -26,7 +26,6 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-
 from models.features import DraftStep
 from utils.cli import UserError
 
