@@ -70,7 +70,8 @@ def test_job_resumes_to_the_uninterrupted_rows_and_rebuilds_from_ids(tmp_path):
     whole = compose_data(tmp_path / "a")
     dd.run(whole)
     ref, manifest = rows_of(dd.out_folder(whole))
-    assert manifest["complete"] and manifest["num_shards_planned"] == 3 and len(ref) == 12  # 6 prompts × 2 temperatures
+    per_prompt = len(whole.responses.temperatures)  # greedy + the sampled responses
+    assert manifest["complete"] and manifest["num_shards_planned"] == 3 and len(ref) == 6 * per_prompt
     parts = compose_data(tmp_path / "b", "max_shards=1")
     dd.run(parts)
     assert not json.loads((dd.out_folder(parts) / "manifest.json").read_text())["complete"]
