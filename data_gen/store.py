@@ -216,40 +216,39 @@ def _table(rows: list[dict], topk: int, hidden: int):
     return pa.table(cols)
 
 
-def write_shard(folder: Path, index: int, rows: list[dict], topk: int, hidden: int, extra: dict) -> dict:
-    """Write one shard atomically: save into a hidden temp dir, record checksums, then rename into place."""
-    from datasets import Dataset
-
-    folder = Path(folder)
-    final = folder / shard_name(index)
-    tmp = folder / f".tmp-{shard_name(index)}-{uuid.uuid4().hex[:8]}"
+def save_table_shard(folder: Path, index: int, table, meta: dict) -> dict:
+    """Write an Arrow table as shard `index` atomically: save into a hidden temp dir, record the arrow files'
+    checksums and `meta` in shard.json, then rename into place (a SIGKILL never leaves a half shard visible). The
+    shard layout every sharded job shares (data_gen traces, train.distill_data responses)."""
     import datasets
 
-    table = _table(rows, topk, hidden)
-    ds = Dataset(table)
+    folder = Path(folder)
+    tmp = folder / f".tmp-{shard_name(index)}-{uuid.uuid4().hex[:8]}"
     bars = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()  # our own bar is the one to watch
     try:
-        ds.save_to_disk(str(tmp))
+        datasets.Dataset(table).save_to_disk(str(tmp))
     finally:
         if bars:
             datasets.enable_progress_bars()
-    arrows = sorted(tmp.glob("*.arrow"))
-    meta = {
-        "shard": index,
-        "rows": ds.num_rows,
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in sorted(tmp.glob("*.arrow"))}
+    meta = {"shard": index, "rows": table.num_rows, **meta, "files": files,
+            "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    write_json_atomic(tmp / SHARD_META, meta)
+    os.rename(tmp, folder / shard_name(index))
+    return meta
+
+
+def write_shard(folder: Path, index: int, rows: list[dict], topk: int, hidden: int, extra: dict) -> dict:
+    """Write one trace shard atomically (save_table_shard), with summary sums so finalizing never re-reads it."""
+    table = _table(rows, topk, hidden)
+    return save_table_shard(folder, index, table, {
         "prompt_ids": [r["prompt_id"] for r in rows],
-        # summary sums, so finalizing a folder never re-reads its shards
         "sum_acceptance": float((1.0 - table.column("tvd").to_numpy().astype(np.float64)).sum()),
         "kind_rows": {k: int(v) for k, v in zip(*np.unique(table.column("kind").to_numpy(zero_copy_only=False), return_counts=True))},
         "greedy_matches": int((table.column("draft_token").to_numpy() == table.column("target_token").to_numpy()).sum()),
-        "files": {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in arrows},
-        "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         **extra,
-    }
-    write_json_atomic(tmp / SHARD_META, meta)
-    os.rename(tmp, final)
-    return meta
+    })
 
 
 def remove_stale_tmp(folder: Path, index: int) -> None:

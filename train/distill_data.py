@@ -41,7 +41,7 @@ from data_gen import store
 from models.pair import Pair, eos_ids, load_pair
 from train import distill_prompts as dp
 from utils.cli import UserError, hydra_entry
-from utils.files import sha256_file, write_text_atomic
+from utils.files import write_text_atomic
 
 log = logging.getLogger(__name__)
 CODE_VERSION = "distill-data-1"
@@ -248,20 +248,10 @@ def _table(rows: list[dict]):
 
 
 def write_shard(folder: Path, index: int, rows: list[dict], extra: dict) -> dict:
-    """One shard, atomically (temp dir renamed into place), with checksums in shard.json — data_gen's layout."""
-    import datasets
-
-    final = folder / store.shard_name(index)
-    tmp = folder / f".tmp-{store.shard_name(index)}-{uuid.uuid4().hex[:8]}"
-    datasets.disable_progress_bars()  # the job's own bar is the one to watch
-    datasets.Dataset(_table(rows)).save_to_disk(str(tmp))
-    meta = {"shard": index, "rows": len(rows), "positions": int(sum(len(r["ids"]) - int(r["start"]) for r in rows)),
-            "prompt_ids": sorted({r["prompt_id"] for r in rows}),
-            "files": {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in sorted(tmp.glob("*.arrow"))},
-            "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **extra}
-    store.write_json_atomic(tmp / store.SHARD_META, meta)
-    os.rename(tmp, final)
-    return meta
+    """One responses shard, atomically, with checksums: data_gen's shard layout (store.save_table_shard)."""
+    return store.save_table_shard(folder, index, _table(rows), {
+        "positions": int(sum(len(r["ids"]) - int(r["start"]) for r in rows)),
+        "prompt_ids": sorted({r["prompt_id"] for r in rows}), **extra})
 
 
 def export_seqs(seq_dir: Path, index: int, rows: list[dict], chash: str) -> None:
