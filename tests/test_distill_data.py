@@ -15,6 +15,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from tests.conftest import REPO
+from train import batch_gen
 from train import distill_data as dd
 from train import distill_prompts as dp
 from train.distill_module import distill_loss, subset_index, topk_kl
@@ -64,6 +65,40 @@ def test_recorded_topk_is_the_targets(tiny_pair):
             torch.testing.assert_close(v[: len(o["cont"])].half(), o["vals"], atol=2e-3, rtol=0)
             if temp == 0:  # greedy: each generated token is the teacher's top-1
                 assert o["cont"] == o["idx"][:, 0].tolist()
+
+
+def test_batched_rows_end_at_eos_and_match_generate_across_compaction(tiny_pair):
+    """Rows finishing at different steps leave the batch (compact_every=0: at every finish); the rows still running
+    must go on exactly as transformers' greedy generate does."""
+    from collections import Counter
+
+    from transformers import GenerationConfig
+
+    enc = [tiny_pair.tokenizer.encode(s) for s in ("def f(x):", "assert g(1) == 2 and more words", "hi", "import os\n")]
+    gc = GenerationConfig(max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        ref = [tiny_pair.target.generate(input_ids=torch.tensor([e]), generation_config=gc)[0, len(e):].tolist()
+               for e in enc]
+    eos = {Counter(t for r in ref for t in r[2:10]).most_common(1)[0][0]}  # a token that ends some rows early
+    outs = batch_gen.respond(tiny_pair.target, enc, [0.0, 1.0, 0.0], 16, 4, 0, tiny_pair.vocab_size, eos,
+                             compact_every=0.0)
+    lengths = set()
+    for r, o in zip(ref, outs):
+        cut = next((i + 1 for i, t in enumerate(r) if t in eos), len(r))
+        assert o[0]["cont"] == o[2]["cont"] == r[:cut]
+        assert o[0]["idx"][:, 0].tolist() == r[:cut] and o[1]["idx"].shape == (len(o[1]["cont"]), 4)
+        lengths.add(cut)
+    assert len(lengths) > 1  # the rows did finish at different steps
+
+
+def test_sampled_tokens_follow_the_tempered_softmax():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.tensor([[0.0, 1.0, 2.0, float("-inf")]]).repeat(40_000, 1)
+    for t in (1.0, 0.5):
+        draws = batch_gen._choose(logits, torch.full((40_000,), t), gen)
+        freq = torch.bincount(draws, minlength=4).double() / 40_000
+        torch.testing.assert_close(freq, torch.softmax(logits[0].double() / t, -1), atol=0.01, rtol=0)
+    assert batch_gen._choose(logits[:3], torch.zeros(3), gen).tolist() == [2, 2, 2]
 
 
 def test_job_resumes_to_the_uninterrupted_rows_and_rebuilds_from_ids(tmp_path):

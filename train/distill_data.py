@@ -15,7 +15,7 @@ Phases (both resumable):
    `gen_prompts.path` (committed) batch by batch, and a rerun continues from the last row.
 2. responses: every prompt (train.distill_prompts + phase 1), rendered through the chat template, answered once per
    `responses.temperatures` entry (0 = greedy, 1 = the target's own distribution), batched with a KV cache;
-   `TopKRecorder` keeps the teacher's top-k of the raw logits at each new token.
+   `train.batch_gen.respond` keeps the teacher's top-k of the raw logits at each new token.
 
 `python -m train.distill data.source=distill_data` (conf/distill.yaml) trains on the folder this writes.
 """
@@ -39,74 +39,32 @@ from tqdm.auto import tqdm
 
 from data_gen import store
 from models.pair import Pair, eos_ids, load_pair
+from train import batch_gen
 from train import distill_prompts as dp
 from utils.cli import UserError, hydra_entry
 from utils.files import write_text_atomic
 
 log = logging.getLogger(__name__)
-CODE_VERSION = "distill-data-1"
+CODE_VERSION = "distill-data-2"  # 2: train.batch_gen (shared prefill, own sampling stream)
 SEQ_COLUMNS = ("prompt_id", "source", "temperature", "ids", "start")
 
 
 # --------------------------------------------------------------------------------------------------- generation
 
 
-class TopKRecorder:
-    """A logits processor that records the top-k probabilities of the scores it is handed and changes nothing.
-
-    It must see the raw logits: `generate` gets an explicit GenerationConfig with no warpers (T = 1, no top-k/p),
-    so it is the only processor (tests compare its rows with a teacher-forced pass)."""
-
-    def __init__(self, k: int, vocab: int):
-        self.k, self.vocab, self.vals, self.idx = k, vocab, [], []
-
-    def __call__(self, input_ids, scores):
-        probs = torch.softmax(scores[:, : self.vocab].float(), dim=-1)
-        v, i = probs.topk(self.k, dim=-1)
-        self.vals.append(v.to(torch.float16).cpu())
-        self.idx.append(i.to(torch.int32).cpu())
-        return scores
-
-
-def _left_pad(rows: list[list[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(map(len, rows))
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for r, e in enumerate(rows):
-        ids[r, width - len(e):] = torch.tensor(e)
-        mask[r, width - len(e):] = 1
-    return ids.to(device), mask.to(device)
-
-
-@torch.inference_mode()
 def generate(pair: Pair, prompts: list[list[int]], temperature: float, max_new_tokens: int, topk: int,
              seed: int) -> list[dict]:
-    """The target's continuations of tokenized `prompts` in one batch: per prompt {cont (ids up to and including
-    the first EOS), vals, idx: (len(cont), topk)} — the teacher's top-k before each continuation token."""
-    from transformers import GenerationConfig, LogitsProcessorList
+    """The target's continuations of tokenized `prompts` at one temperature: per prompt {cont (ids up to and
+    including the first EOS), vals, idx: (len(cont), topk)} — the teacher's top-k before each continuation token."""
+    return [r[0] for r in respond(pair, prompts, [temperature], max_new_tokens, topk, seed)]
 
-    tok = pair.tokenizer
-    ids, mask = _left_pad(prompts, tok.pad_token_id, pair.device)
-    rec = TopKRecorder(topk, pair.vocab_size)
-    gc = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=temperature > 0, temperature=1.0,
-                          top_k=None, top_p=None, pad_token_id=tok.pad_token_id, eos_token_id=sorted(eos_ids(pair.target, tok)))
-    torch.manual_seed(seed)
-    logits = None
-    if temperature > 0 and temperature != 1.0:
-        from transformers import TemperatureLogitsWarper
 
-        logits = TemperatureLogitsWarper(float(temperature))  # after the recorder: it still sees the raw logits
-    procs = LogitsProcessorList([rec] + ([logits] if logits is not None else []))
-    out = pair.target.generate(input_ids=ids, attention_mask=mask, generation_config=gc, logits_processor=procs)
-    new = out[:, ids.shape[1]:].cpu()
-    vals, idx = torch.stack(rec.vals, 1), torch.stack(rec.idx, 1)
-    eos = eos_ids(pair.target, tok)
-    res = []
-    for r in range(len(prompts)):
-        cont = new[r].tolist()
-        n = next((t + 1 for t, x in enumerate(cont) if x in eos), len(cont))
-        res.append({"cont": cont[:n], "vals": vals[r, :n], "idx": idx[r, :n]})
-    return res
+def respond(pair: Pair, prompts: list[list[int]], temperatures: list[float], max_new_tokens: int, topk: int,
+            seed: int) -> list[list[dict]]:
+    """`pair.target`'s continuations at every temperature (train.batch_gen.respond, the one batched generator);
+    a pair-like view may carry a `logit_mask` (the on-policy student restricted to its vocabulary subset)."""
+    return batch_gen.respond(pair.target, prompts, list(temperatures), max_new_tokens, topk, seed, pair.vocab_size,
+                             eos_ids(pair.target, pair.tokenizer), getattr(pair, "logit_mask", None))
 
 
 @torch.inference_mode()
@@ -312,15 +270,15 @@ def shard_rows(cfg: DictConfig, pair: Pair, group: list[dp.DistillPrompt], index
     enc = [(p, _encode(pair, p.text)) for p in group]
     enc = [(p, e) for p, e in enc if len(e) <= int(cfg.max_prompt_tokens)]
     enc.sort(key=lambda pe: len(pe[1]))  # similar lengths batch together (less padding)
-    rows = []
-    for t_i, temp in enumerate(r.temperatures):
-        for b in range(0, len(enc), int(cfg.batch_size)):
-            chunk = enc[b : b + int(cfg.batch_size)]
-            seed = int(cfg.seed) * 1_000_003 + index * 101 + t_i * 7 + b
-            for (p, e), o in zip(chunk, generate(pair, [e for _, e in chunk], float(temp), int(r.max_new_tokens),
-                                                 int(cfg.topk), seed)):
+    rows, temps = [], [float(t) for t in r.temperatures]
+    for b in range(0, len(enc), int(cfg.batch_size)):  # every temperature of a prompt shares its prefill
+        chunk = enc[b : b + int(cfg.batch_size)]
+        outs = respond(pair, [e for _, e in chunk], temps, int(r.max_new_tokens), int(cfg.topk),
+                       int(cfg.seed) * 1_000_003 + index * 101 + b)
+        for (p, e), per_temp in zip(chunk, outs):
+            for temp, o in zip(temps, per_temp):
                 if o["cont"]:
-                    rows.append({"prompt_id": p.prompt_id, "source": p.source, "temperature": float(temp),
+                    rows.append({"prompt_id": p.prompt_id, "source": p.source, "temperature": temp,
                                  "ids": e + o["cont"], "start": len(e), "vals": o["vals"], "idx": o["idx"]})
     return rows
 

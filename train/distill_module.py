@@ -206,26 +206,12 @@ class DistillModule(L.LightningModule):
 
 class _StudentView:
     """The student dressed as a pair's target for `train.distill_data.generate` (which samples from `.target`),
-    restricted to its FR-Spec subset when it has one."""
+    restricted to its FR-Spec subset when it has one (`logit_mask`: -inf outside the subset)."""
 
     def __init__(self, pair, student, subset):
-        self.tokenizer, self.vocab_size, self.device = pair.tokenizer, pair.vocab_size, pair.device
-        self.target = student if subset is None else _Masked(student, subset, pair.vocab_size)
-
-
-class _Masked(torch.nn.Module):
-    def __init__(self, model, subset, vocab):
-        super().__init__()
-        self.model, self.config, self.generation_config = model, model.config, model.generation_config
-        self.register_buffer("mask", torch.full((vocab,), float("-inf")).index_fill_(0, subset.cpu(), 0.0))
-
-    def generate(self, **kw):
-        from transformers import LogitsProcessorList
-
-        mask = self.mask
-        kw["logits_processor"] = LogitsProcessorList([lambda ids, s: s[:, : mask.numel()] + mask.to(s.device)]
-                                                     + list(kw.get("logits_processor") or []))
-        return self.model.generate(**kw)
+        self.tokenizer, self.vocab_size, self.device, self.target = pair.tokenizer, pair.vocab_size, pair.device, student
+        self.logit_mask = None if subset is None else (
+            torch.full((pair.vocab_size,), float("-inf")).index_fill_(0, subset.cpu(), 0.0))
 
 
 class Snapshots(L.Callback):
