@@ -66,6 +66,15 @@ class LeanCache:
     def crop(self, max_length: int) -> None:
         self.len = self.len + max_length if max_length < 0 else min(self.len, max_length)
 
+    def compact(self, start: int, src: torch.Tensor) -> None:
+        """Move positions `src` (sorted, all >= start) to start, start+1, ... and keep nothing after them: the
+        in-place half of `models.lm.LM.keep` (a token tree's accepted path after the prefix)."""
+        end = start + src.shape[0]
+        for buf in (self.k, self.v):
+            for t in buf:
+                t[:, :, start:end] = t[:, :, src]
+        self.len = end
+
     def reserve(self, n: int) -> None:
         cap = self.k[0].shape[2]
         if n <= cap:
@@ -81,7 +90,8 @@ class LeanCache:
 
 class LeanLlama:
     """Batch-1 forward of a Llama model with a `LeanCache`: `hidden(ids, cache)` returns the final-norm hidden state
-    of each new position (1, n, d), exactly as `model.model(...).last_hidden_state` would."""
+    of each new position (1, n, d), exactly as `model.model(...).last_hidden_state` would (a token-tree call with
+    `positions` and `mask`: as it would given position_ids and that 4D mask)."""
 
     def __init__(self, model, pack_one_row: bool | None = None):
         base, cfg = model.model, model.config
@@ -135,18 +145,31 @@ class LeanLlama:
         half = x.shape[-1] // 2
         return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)
 
-    def hidden(self, ids: torch.Tensor, cache: LeanCache) -> torch.Tensor:
-        n = ids.shape[-1]
-        start, end = cache.len, cache.len + n
-        cache.reserve(end)
+    def _rope_and_mask(self, start: int, end: int, positions: torch.Tensor | None, mask: torch.Tensor | None):
+        """cos, sin (1, 1, n, d) and the sdpa mask of a call writing cache positions [start, end). Without `positions`
+        and `mask`, as transformers' sdpa path: one row → no mask; a fresh cache → is_causal (None here); several rows
+        after a cache → a boolean causal mask (lower-right aligned). A tree call (models.lm.tree_attention) gives
+        both: cos/sin gathered at its rotary positions (each < end) and its mask as is."""
         cos, sin = self._rope(end)
-        cos, sin = cos[start:end][None, None], sin[start:end][None, None]
-        # as transformers' sdpa path: one row → no mask; a fresh cache → is_causal; several rows after a cache → a
-        # boolean causal mask (lower-right aligned)
-        mask = None
+        if positions is not None:
+            return cos[positions][None, None], sin[positions][None, None], mask.reshape(1, 1, end - start, end)
+        n = end - start
         if n > 1 and start > 0:
             mask = (torch.arange(end, device=self.device)[None, :]
                     <= torch.arange(start, end, device=self.device)[:, None])[None, None]
+        return cos[start:end][None, None], sin[start:end][None, None], mask
+
+    def hidden(self, ids: torch.Tensor, cache: LeanCache, positions: torch.Tensor | None = None,
+               mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`positions` (n,) long and `mask` (n, cache.len + n) bool (True = attend): a token-tree call (both or
+        neither; see models.lm.LM.__call__)."""
+        if (positions is None) != (mask is None):
+            raise ValueError("a tree call gives both positions and mask")
+        tree = mask is not None
+        n = ids.shape[-1]
+        start, end = cache.len, cache.len + n
+        cache.reserve(end)
+        cos, sin, mask = self._rope_and_mask(start, end, positions, mask)
         groups = self.heads // self.kv_heads
         x = F.embedding(ids.view(1, n), self.embed)
         d = self.head_dim
@@ -166,14 +189,15 @@ class LeanLlama:
             kb[:, :, start:end] = k
             vb[:, :, start:end] = v
             keys, values = kb[:, :, :end], vb[:, :, :end]
-            if n == 1 and groups > 1 and self.pack_one_row:
+            if n == 1 and groups > 1 and (self.pack_one_row or tree):
                 # one row in bf16: each key/value head's query heads as the rows of one query (transformers'
                 # pack_gqa). torch 2.13's CPU kernel runs a grouped bf16 row 4-5x slower (121 vs 28 us at 200
                 # positions; float32 has no such cliff, 22 vs 27) and rounds some rows differently, so in bf16 this
                 # is the one place where the numbers are not transformers' bit for bit (they differ at bf16
-                # resolution, as a K-row verification already does from one-row steps)
+                # resolution, as a K-row verification already does from one-row steps). A one-row tree call packs
+                # in any dtype: transformers packs a masked row, so these are its bits
                 a = F.scaled_dot_product_attention(q.reshape(1, self.kv_heads, groups, self.head_dim), keys, values,
-                                                   scale=self.scale).reshape(1, self.heads, 1, self.head_dim)
+                                                   attn_mask=mask, scale=self.scale).reshape(1, self.heads, 1, d)
             else:
                 # several rows: grouped heads with the mask give the bits of transformers' repeated key/value heads
                 a = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None and n > 1,

@@ -3,14 +3,18 @@ the cost profile call a model, so what the profile times is what decoding runs."
 
 from __future__ import annotations
 
+import bisect
 import functools
 import inspect
 import time
+from collections.abc import Mapping, Sequence
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
-from models.lean import LeanLlama, supports
+from models.lean import LeanCache, LeanLlama, supports
+from utils.cli import UserError
 
 
 @functools.lru_cache(maxsize=None)
@@ -52,6 +56,9 @@ class LM:
         self.support = ids if isinstance(ids, torch.Tensor) else None
         self.device = next(model.parameters()).device
         self.lean = LeanLlama(model) if lean and self.plain and supports(model) else None  # ~1 ms to build
+        self.tree_refusal = _tree_refusal(cfg)
+        # transformers hands a 4D mask to attention as is: sdpa takes booleans, eager adds it to the scores
+        self.additive_mask = getattr(cfg, "_attn_implementation", None) == "eager"
 
     @classmethod
     def of(cls, pair, role: str) -> "LM":
@@ -63,23 +70,145 @@ class LM:
         """A DynamicCache, or a models.lean.LeanCache for the lean forward: both `crop(-m)` the last m positions."""
         return self.lean.new_cache() if self.lean else DynamicCache(config=self.model.config)
 
-    def __call__(self, ids: list[int], cache, last: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Run `ids` after the cache; logits (last, V) and hidden (last, d) of the final `last` positions (0 = none)."""
+    def __call__(self, ids: list[int], cache, last: int, positions: torch.Tensor | Sequence[int] | None = None,
+                 mask: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Run `ids` after the cache; logits (last, V) and hidden (last, d) of the final `last` positions (0 = none).
+
+        A token-tree call gives `positions` (n,) — each new token's rotary position — and `mask` (n, cache_len + n)
+        bool — True where a new token attends to a cache position or a new token (`tree_attention` builds both). The
+        new tokens' keys/values still go to cache positions cache_len .. cache_len + n - 1; `keep` then compacts the
+        accepted path. Both None (the default): exactly the chain call, bit for bit."""
         x = torch.tensor([ids], device=self.device)
+        positions, mask = self._tree_args(len(ids), cache, positions, mask)
+        tree = {} if mask is None else {"position_ids": positions[None], "attention_mask": self._hf_mask(mask)}
         if self.plain:
             if self.lean:
-                h = self.lean.hidden(x[0], cache)[0]
+                h = self.lean.hidden(x[0], cache, positions, mask)[0]
             else:
-                h = self.base(input_ids=x, **cache_kw(self.base, cache), use_cache=True).last_hidden_state[0]
+                h = self.base(input_ids=x, **cache_kw(self.base, cache), use_cache=True, **tree).last_hidden_state[0]
             if last == 0:
                 return None, None
             h = h[-last:]
             return self.head(h)[..., : self.vocab], h
         out = self.model(input_ids=x, **cache_kw(self.model, cache), use_cache=True, output_hidden_states=True,
-                         logits_to_keep=max(last, 1))
+                         logits_to_keep=max(last, 1), **tree)
         if last == 0:
             return None, None
         return out.logits[0, -last:, : self.vocab], out.hidden_states[-1][0, -last:]
+
+    def _tree_args(self, n: int, cache, positions, mask) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """positions and mask on the model's device, checked against the call (a wrong shape would otherwise surface
+        as a broadcast error deep in attention, or silently attend to the wrong keys)."""
+        if positions is None and mask is None:
+            return None, None
+        if positions is None or mask is None:
+            raise ValueError("a tree call gives both positions and mask")
+        if self.tree_refusal:
+            raise UserError(self.tree_refusal)
+        positions = torch.as_tensor(positions, dtype=torch.long, device=self.device).reshape(-1)
+        mask = torch.as_tensor(mask, device=self.device)
+        end = cache.get_seq_length() + n
+        if positions.shape[0] != n or tuple(mask.shape) != (n, end) or mask.dtype != torch.bool:
+            raise ValueError(f"a tree call of {n} tokens after {end - n} cached needs positions ({n},) and a bool "
+                             f"mask ({n}, {end}), got {tuple(positions.shape)} and {mask.dtype} {tuple(mask.shape)}")
+        return positions, mask
+
+    def _hf_mask(self, mask: torch.Tensor) -> torch.Tensor:
+        """A tree mask as transformers' attention takes it: (1, 1, n, end), boolean for sdpa, additive for eager (0 or
+        the dtype's minimum, as transformers' own eager masks)."""
+        if not self.additive_mask:
+            return mask[None, None]
+        dtype = self.model.dtype
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)[
+            None, None]
+
+    def keep(self, cache, idx: torch.Tensor | Sequence[int]) -> None:
+        """Keep only cache positions `idx` (sorted, distinct), moved to 0 .. len(idx) - 1 in order: after a token-tree
+        round, the prefix [0, prefix_len) and the accepted path's nodes. Keys carry their rotary position,
+        which stays right because a root path's nodes sit at consecutive positions (`tree_attention`). Entries
+        already in place stay put (a prefix range is a crop); only the moved tail is copied, in place."""
+        idx = idx.tolist() if isinstance(idx, torch.Tensor) else list(idx)
+        m, length = len(idx), cache.get_seq_length()
+        if m and (idx[0] < 0 or idx[-1] >= length):
+            raise ValueError(f"keep: positions {idx[0]}..{idx[-1]} outside the cache's {length}")
+        # idx[j] - j never decreases for sorted distinct positions, so the entries in place are a prefix
+        start = bisect.bisect_left(range(m), True, key=lambda j: idx[j] != j)
+        tail = idx[start:]
+        if tail and tail[0] <= start or any(b <= a for a, b in zip(tail, tail[1:])):
+            raise ValueError("keep: positions must be sorted and distinct")
+        if not tail:
+            if m < length:
+                cache.crop(m - length)
+            return
+        src = torch.tensor(tail, device=self.device)
+        if isinstance(cache, LeanCache):
+            cache.compact(start, src)
+            return
+        for layer in cache.layers:
+            if type(layer) is not DynamicLayer:
+                raise NotImplementedError(f"keep moves entries of full-attention DynamicLayers only, not "
+                                          f"{type(layer).__name__}")
+            if layer.is_initialized:
+                for name in ("keys", "values"):
+                    t = getattr(layer, name)
+                    t[:, :, start:m] = t[:, :, src]
+                    setattr(layer, name, t[:, :, :m])
+
+
+def _tree_refusal(cfg) -> str | None:
+    """Why a model cannot run token-tree calls exactly (None: it can). A tree's 4D mask replaces the one transformers
+    would build, so a sliding-window or local layer would lose its window (GPT-Neo's own local band counts cache
+    slots, not positions), and only sdpa and eager attention take a user mask as given."""
+    name = getattr(cfg, "model_type", None) or "this model"
+    kinds = set(getattr(cfg, "layer_types", None) or ()) | set(getattr(cfg, "attention_layers", None) or ())
+    windowed = bool(kinds - {"full_attention", "global"}) or bool(
+        getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True) is not False)
+    if windowed:
+        return f"token trees need full attention in every layer; {name} has sliding-window or local layers"
+    impl = getattr(cfg, "_attn_implementation", None)
+    if impl not in ("sdpa", "eager"):
+        return f"token trees need sdpa or eager attention; {name} runs {impl}"
+    return None
+
+
+def tree_attention(parents: Sequence[int], nodes: Sequence[int], prefix_len: int, cache_len: int,
+                   cached: Mapping[int, int] | None = None,
+                   device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions, mask) of an `LM` call that runs tree `nodes` after a committed prefix of `prefix_len` tokens.
+
+    `parents[i]`: tree node i's parent (-1: a child of the prefix's last token), always an earlier node. Node i sees
+    the prefix, its ancestors and itself, at rotary position prefix_len + depth(i) (the prefix's children: depth 0) —
+    where it would sit on its root path run as a chain, so its logits are that chain's. The call's tokens go to cache
+    positions cache_len, cache_len + 1, ...; an ancestor is either one of them or a node an earlier call of the round
+    ran, at cache position `cached[node]` (a draft growing the tree level by level). With cache_len < prefix_len the
+    call first runs the prefix's last prefix_len - cache_len tokens (the pending committed ones, causally; then
+    `cached` must be empty), then `nodes` (a target verifying the tree in one call). Order within a call is free: a
+    call computes all its keys before attending. Returns positions (rows,) long and mask (rows, cache_len + rows)
+    bool, rows = max(prefix_len - cache_len, 0) + len(nodes): the `positions` and `mask` of `LM.__call__`."""
+    cached = dict(cached or {})
+    pending = max(prefix_len - cache_len, 0)
+    if pending and cached:
+        raise ValueError("pending prefix tokens run before any tree node is cached")
+    rows, first = pending + len(nodes), cache_len + pending
+    where = {**cached, **{node: first + j for j, node in enumerate(nodes)}}
+    positions, ri, ci = list(range(cache_len, prefix_len)), [], []
+    for row, node in enumerate(nodes, start=pending):
+        depth, a = -1, node
+        while a >= 0:
+            if a not in where:
+                raise ValueError(f"tree node {node}'s ancestor {a} is neither cached nor in the call")
+            if parents[a] >= a:
+                raise ValueError(f"tree node {a}'s parent {parents[a]} is not -1 or an earlier node")
+            ri.append(row)
+            ci.append(where[a])
+            depth, a = depth + 1, parents[a]
+        positions.append(prefix_len + depth)
+    # one tensor op per part, not one per entry (~3 us each: a 60-node tree has hundreds)
+    mask = torch.zeros(rows, cache_len + rows, dtype=torch.bool)
+    mask[:pending, : cache_len + pending] = torch.ones(pending, cache_len + pending, dtype=torch.bool).tril(cache_len)
+    mask[pending:, :prefix_len] = True
+    mask[ri, ci] = True
+    return torch.tensor(positions, dtype=torch.long).to(device), mask.to(device)
 
 
 class Clock:
