@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from models.lm import cache_kw
+
 
 class _BufferLayer(DynamicLayer):
     """One layer's keys and values in a buffer with room for every token to come: a step writes its new token in
@@ -60,7 +62,7 @@ def _prefill(model, prompt: list[int], device) -> tuple[torch.Tensor, list[tuple
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
-    out = model(input_ids=torch.tensor([prompt], device=device), past_key_values=cache, use_cache=True,
+    out = model(input_ids=torch.tensor([prompt], device=device), **cache_kw(model, cache), use_cache=True,
                 logits_to_keep=1)
     return out.logits[0, -1], [(layer.keys, layer.values) for layer in cache.layers]
 
@@ -148,7 +150,7 @@ def respond(model, prompts: list[list[int]], temperatures: list[float], max_new_
             col -= drop
         mask[:, col] = 1
         out = model(input_ids=nxt[:, None], attention_mask=mask[:, : col + 1], position_ids=pos[:, None],
-                    past_key_values=cache, use_cache=True)
+                    **cache_kw(model, cache), use_cache=True)
         logits, pos, col = out.logits[:, -1], pos + 1, col + 1
     return [[{"cont": conts[p * nt + t], "vals": _stack(vals[p * nt + t], topk, torch.float16),
               "idx": _stack(idx[p * nt + t], topk, torch.int32)} for t in range(nt)] for p in range(len(prompts))]
