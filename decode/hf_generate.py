@@ -65,6 +65,7 @@ REFUSED = {
                    "generate() verifies every drafted token",
     "oracle": "needs the target-only output in advance",
     "external": "is transformers' own assisted generation already: pass its settings to generate() instead",
+    "tree": "builds token trees, and transformers' assisted generation verifies one chain; use python -m decode",
 }
 
 

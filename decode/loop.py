@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from decode.tree import commit, grow
+from decode.tree import verify as tree_verify
 from decode.verify import greedy_verify, sample_verify, sprinter_verify
 from models.distributions import draft_probs, entropy, greedy_ids, logit_stats, top2_margin, tvd
 from models.features import DraftStep, VerifyStats
@@ -208,6 +210,18 @@ def _rollback(dcache, tcache, d_pending: list[int], drafted: list[int], n: int, 
     return [nxt]
 
 
+def _tree_round(draft: LM, target: LM, dcache, tcache, d_pending, t_pending, builder, s: _Settings, budget: int,
+                res: GenResult) -> tuple[list[int], int, list[int], int]:
+    """One token-tree round (decode.tree): grow, verify, keep the accepted path in both caches. Returns (accepted
+    tokens, the target's next token, the draft's pending tokens, verified nodes)."""
+    tree, prefix_len, nodes = grow(draft, dcache, d_pending, builder, s, budget, res)
+    ts = time.perf_counter()
+    path, nxt = tree_verify(target, tcache, t_pending, tree, nodes, s, res)
+    d_pending = commit(draft, target, dcache, tcache, tree, prefix_len, path, nxt)
+    res.target_s += time.perf_counter() - ts
+    return [tree.tokens[i] for i in path], nxt, d_pending, len(nodes)
+
+
 @torch.inference_mode()
 def speculative(pair, prompt_ids: list[int], policy, max_new_tokens: int, temperature: float = 0.0,
                 top_p: float = 1.0, eos: set[int] | None = None, generator: torch.Generator | None = None,
@@ -234,18 +248,24 @@ def speculative(pair, prompt_ids: list[int], policy, max_new_tokens: int, temper
     t_pending = list(prompt_ids)
     done = False
     while not done and len(out) < max_new_tokens:
-        k_cap = min(policy.max_len, max_new_tokens - len(out) - 1)
-        rnd = _draft_round(draft, dcache, d_pending, policy, s, k_cap, len(out), ctx, vstats, eos, res)
-        k = len(rnd.tokens)
-        ts = now()
-        n, nxt, p, logits = _verify_round(target, tcache, t_pending, rnd, s, res)
-        te = now()
-        res.target_s += te - ts
-        if s.want_vs:  # the policy's work, timed as policy time
-            vstats = _verify_stats(p, logits, rnd.qs if p is not None else rnd.qs_support, draft.support, k, n)
-            res.policy_s += now() - te
-        d_pending = _rollback(dcache, tcache, d_pending, rnd.tokens, n, nxt)
+        budget = min(policy.max_len, max_new_tokens - len(out) - 1)
+        if policy.tree:  # the same round with a token tree (decode.tree); a chain is the width-1 case below
+            kept, nxt, d_pending, k = _tree_round(draft, target, dcache, tcache, d_pending, t_pending, policy, s,
+                                                  budget, res)
+        else:
+            rnd = _draft_round(draft, dcache, d_pending, policy, s, budget, len(out), ctx, vstats, eos, res)
+            k = len(rnd.tokens)
+            ts = now()
+            n, nxt, p, logits = _verify_round(target, tcache, t_pending, rnd, s, res)
+            te = now()
+            res.target_s += te - ts
+            if s.want_vs:  # the policy's work, timed as policy time
+                vstats = _verify_stats(p, logits, rnd.qs if p is not None else rnd.qs_support, draft.support, k, n)
+                res.policy_s += now() - te
+            d_pending = _rollback(dcache, tcache, d_pending, rnd.tokens, n, nxt)
+            kept = rnd.tokens[:n]
         t_pending = [nxt]
+        n = len(kept)
 
         res.drafted += k
         res.accepted += n
@@ -253,7 +273,7 @@ def speculative(pair, prompt_ids: list[int], policy, max_new_tokens: int, temper
         ts = now()
         policy.observe(k, n)
         res.policy_s += now() - ts
-        new, done = _eos_cut(rnd.tokens[:n] + [nxt], eos)
+        new, done = _eos_cut(kept + [nxt], eos)
         out.extend(new)
         if s.want_ctx:
             ctx.extend(new)

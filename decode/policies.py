@@ -43,6 +43,7 @@ class StopPolicy:
     learned = False  # reads a trained head: listed as `name:PATH` (or policy_ckpt / policy.<name>.ckpt), built with it
     external = False  # runs its own loop (transformers' generate, decode/hf.py), not decode.loop: built with pair=
     trace_score: str | None = None  # the per-token score it thresholds, as a trace score (`max_q` | `neg_entropy`)
+    tree = False  # a tree builder (decode.tree_builders): the loop drafts and verifies a token tree, not a chain
 
     def __init__(self, max_len: int = 40):
         if int(max_len) < 1:

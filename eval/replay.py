@@ -59,6 +59,8 @@ def not_replayed(cls: type[StopPolicy]) -> str | None:
         return "runs transformers' own loop"
     if cls.approximate:
         return "approximate verification (lossy)"
+    if cls.tree:
+        return "a token-tree builder (chain traces hold one branch)"
     return None
 
 

@@ -91,7 +91,8 @@ def test_capabilities_are_declared_on_the_classes():
     assert {n for n, c in caps.items() if c.learned} == {"learned", "sprinter"}
     assert {n for n, c in caps.items() if c.external} == {"hf_assisted"}
     assert {n for n, c in caps.items() if c.oracle} == {"oracle"}
-    assert {n for n, c in caps.items() if c.needs_profile} == {"expected_value"}
+    assert {n for n, c in caps.items() if c.needs_profile} == {"expected_value", "tree_static", "sequoia", "eagle2"}
+    assert {n for n, c in caps.items() if c.tree} == {"tree_static", "sequoia", "eagle2"}
     assert {n for n, c in caps.items() if c.approximate} == {"sprinter"}
 
 

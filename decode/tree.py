@@ -1,0 +1,173 @@
+"""Token trees in the one speculative loop: the draft proposes branches, the target verifies them in one pass.
+
+A round (`tree_round`, called by decode.loop.speculative for a policy with `tree = True`):
+1. the draft runs on its pending tokens; its distribution there is the root's;
+2. the builder (decode.tree_builders, chosen like a stop policy) adds children under nodes whose distribution is
+   known, and names the new nodes the draft should run on next (one tree-attention call per level: each node sees
+   the prefix and its ancestors, at position prefix + depth), until it adds none or reaches its depth;
+3. the builder selects the nodes to verify (closed under ancestors);
+4. the target runs the pending token(s) and the selected nodes in one tree-attention call;
+5. the walk accepts a root path (below), and both KV caches keep exactly the prefix and the accepted path
+   (`models.lm.LM.keep`); the draft re-runs the accepted nodes it had not run on, next round.
+
+Acceptance. Greedy: from the root, follow the child whose token is the target's argmax; the first node without such
+a child gives the target's token. Sampling: SpecInfer's multi-step speculative sampling (Miao et al. 2024, Alg. 2;
+arXiv 2305.09781): at a node with target distribution p, try its children in order; child x proposed from q_x is
+accepted with probability min(1, r(x) / q_x(x)), where r starts as p; on rejection r ← norm(max(0, r − q_x)); when
+every child is rejected the token is drawn from r. Our builders propose deterministic children (the top ranks of
+the draft's distribution), so q_x is the point mass on x: a child is accepted with probability r(x), and a rejection
+removes x from r. Each step is one exact rejection-sampling step, so the emitted token is distributed as p (the
+tests check it by χ² against target-only sampling).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from decode.verify import residual
+from models.distributions import draft_probs, greedy_ids
+from models.lm import tree_attention
+
+
+@dataclass
+class Tree:
+    """The round's candidate tree. Node i: `tokens[i]`, `parents[i]` (−1: a child of the root, the last committed
+    token), `depth[i]` (1 for the root's children), `joint[i]` (product of the draft's probabilities along its path),
+    `rank[i]` (1-based rank of its token in its parent's distribution). `q[i]`: the draft's distribution after the
+    node, once the draft has run on it (then `dpos[i]` is its position in the draft cache)."""
+
+    root_q: torch.Tensor
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    depth: list[int] = field(default_factory=list)
+    joint: list[float] = field(default_factory=list)
+    rank: list[int] = field(default_factory=list)
+    q: dict = field(default_factory=dict)
+    dpos: dict = field(default_factory=dict)
+    tpos: dict = field(default_factory=dict)  # verified nodes' positions in the target cache
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def add(self, parent: int, token: int, prob: float, rank: int) -> int:
+        self.tokens.append(int(token))
+        self.parents.append(int(parent))
+        self.depth.append(1 if parent < 0 else self.depth[parent] + 1)
+        self.joint.append((1.0 if parent < 0 else self.joint[parent]) * float(prob))
+        self.rank.append(int(rank))
+        return len(self.tokens) - 1
+
+    def dist(self, node: int) -> torch.Tensor:
+        return self.root_q if node < 0 else self.q[node]
+
+    def children(self, nodes: list[int]) -> dict[int, list[int]]:
+        """Parent → its children among `nodes`, in rank order (the order verification tries them)."""
+        out: dict[int, list[int]] = {}
+        for i in sorted(nodes, key=lambda i: (self.rank[i], i)):
+            out.setdefault(self.parents[i], []).append(i)
+        return out
+
+
+def _run_draft(draft, dcache, tree: Tree, nodes: list[int], prefix_len: int, s) -> None:
+    """One draft call on `nodes`: their distributions (as the chain loop computes q) and cache positions."""
+    start = dcache.get_seq_length()
+    pos, mask = tree_attention(tree.parents, nodes, prefix_len, start, tree.dpos, draft.device)
+    logits, _ = draft([tree.tokens[i] for i in nodes], dcache, last=len(nodes), positions=pos, mask=mask)
+    for j, node in enumerate(nodes):
+        tree.q[node] = draft_probs(logits[j], s.temperature if not s.greedy else 0.0, s.top_p)
+        tree.dpos[node] = start + j
+
+
+def grow(draft, dcache, d_pending: list[int], builder, s, budget: int, res) -> tuple[Tree, int, list[int]]:
+    """Steps 1-3: the draft's root distribution, the builder's levels, its selection (no node deeper than the
+    `budget` of tokens left). Returns the tree, the prefix length (committed tokens, all now in the draft cache) and
+    the selected nodes."""
+    ts = time.perf_counter()
+    logits, _ = draft(d_pending, dcache, last=1)
+    res.draft_calls += 1
+    prefix_len = dcache.get_seq_length()
+    tree = Tree(root_q=draft_probs(logits[0], 0.0 if s.greedy else s.temperature, s.top_p))
+    frontier = [-1]
+    for level in range(1, builder.max_depth + 1):
+        new = [tree.add(parent, tok, prob, rank) for parent in frontier
+               for tok, prob, rank in builder.children(tree, parent, level)]
+        if not new or level == builder.max_depth:
+            break
+        frontier = builder.expand(tree, new, level)
+        if not frontier:
+            break
+        _run_draft(draft, dcache, tree, frontier, prefix_len, s)
+        res.draft_calls += 1
+    res.draft_s += time.perf_counter() - ts
+    tp = time.perf_counter()
+    selected = sorted(i for i in builder.select(tree) if tree.depth[i] <= budget)
+    res.policy_s += time.perf_counter() - tp
+    return tree, prefix_len, selected
+
+
+def greedy_walk(tree: Tree, nodes: list[int], argmax: dict[int, int]) -> tuple[list[int], int]:
+    """The longest root path whose every token is the target's argmax after its parent; (path, target's next)."""
+    kids = tree.children(nodes)
+    path, cur = [], -1
+    while True:
+        want = argmax[cur]
+        nxt = next((c for c in kids.get(cur, []) if tree.tokens[c] == want), None)
+        if nxt is None:
+            return path, want
+        path.append(nxt)
+        cur = nxt
+
+
+def sample_walk(tree: Tree, nodes: list[int], p: dict[int, torch.Tensor], generator) -> tuple[list[int], int]:
+    """SpecInfer's multi-step speculative sampling over point-mass children (module docstring): lossless."""
+    kids = tree.children(nodes)
+    path, cur = [], -1
+    while True:
+        r = p[cur]
+        accepted = None
+        for c in kids.get(cur, []):
+            x = tree.tokens[c]
+            if float(torch.rand((), generator=generator)) < float(r[x]):
+                accepted = c
+                break
+            point = torch.zeros_like(r)
+            point[x] = 1.0
+            r = residual(r, point)
+        if accepted is None:
+            return path, int(torch.multinomial(r, 1, generator=generator))
+        path.append(accepted)
+        cur = accepted
+
+
+def verify(target, tcache, t_pending: list[int], tree: Tree, nodes: list[int], s, res) -> tuple[list[int], int]:
+    """Step 4 and the walk: the accepted path (tree node ids) and the token after it. The target cache keeps the
+    pending tokens and the tree nodes' entries at `tpos` (cropped to the path by `commit`)."""
+    start = tcache.get_seq_length()
+    prefix_len, n = start + len(t_pending), len(nodes)
+    positions, mask = tree_attention(tree.parents, nodes, prefix_len, start, None, target.device)
+    logits, _ = target(t_pending + [tree.tokens[i] for i in nodes], tcache, last=n + 1, positions=positions,
+                       mask=mask)
+    res.target_calls += 1
+    at = {-1: 0, **{node: j + 1 for j, node in enumerate(nodes)}}  # row of each node's next-token logits
+    if s.greedy:
+        ids = greedy_ids(logits).tolist()
+        path, nxt = greedy_walk(tree, nodes, {node: ids[r] for node, r in at.items()})
+    else:
+        path, nxt = sample_walk(tree, nodes, {node: draft_probs(logits[r], s.temperature, s.top_p)
+                                              for node, r in at.items()}, s.generator)
+    tree.tpos.update({node: prefix_len + j for j, node in enumerate(nodes)})
+    return path, nxt
+
+
+def commit(draft, target, dcache, tcache, tree: Tree, prefix_len: int, path: list[int], nxt: int) -> list[int]:
+    """Both caches keep the prefix and the accepted path; returns the draft's pending tokens (the path's nodes it
+    has not run on, then the target's token)."""
+    target.keep(tcache, list(range(prefix_len)) + [tree.tpos[i] for i in path])
+    ran = 0  # the draft ran on a prefix of the path (it runs a node only after the node's parent)
+    while ran < len(path) and path[ran] in tree.dpos:
+        ran += 1
+    draft.keep(dcache, list(range(prefix_len)) + [tree.dpos[i] for i in path[:ran]])
+    return [tree.tokens[i] for i in path[ran:]] + [nxt]
