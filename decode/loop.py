@@ -249,7 +249,7 @@ def speculative(pair, prompt_ids: list[int], policy, max_new_tokens: int, temper
     done = False
     while not done and len(out) < max_new_tokens:
         budget = min(policy.max_len, max_new_tokens - len(out) - 1)
-        if policy.tree:  # the same round with a token tree (decode.tree); a chain is the width-1 case below
+        if getattr(policy, "tree", False):  # a token-tree round (decode.tree); a chain is the width-1 case below
             kept, nxt, d_pending, k = _tree_round(draft, target, dcache, tcache, d_pending, t_pending, policy, s,
                                                   budget, res)
         else:
