@@ -32,6 +32,7 @@ WRITERS = [
                                        "per_position_auroc.png", "per_continuation_position_auroc.png")),
     ("eval.collect", ("eval/collect.py",), ("collect.json", "collect.md", "collect.png")),
     ("eval.k_sweep", ("eval/k_sweep.py",), ("k_sweep.json", "k_sweep.md", "k_sweep.png")),
+    ("eval.tree_ceiling", ("eval/tree_ceiling.py",), ("ceiling.json", "ceiling.md")),
     ("eval.bar", ("eval/bar.py", "conf/bar.yaml"), ("bar.json",)),
 ]
 
