@@ -1,8 +1,8 @@
 """Token trees in the one speculative loop: the draft proposes branches, the target verifies them in one pass.
 
-A round (`tree_round`, called by decode.loop.speculative for a policy with `tree = True`):
+A round (decode.loop's `_tree_round`, for a policy with `tree = True`):
 1. the draft runs on its pending tokens; its distribution there is the root's;
-2. the builder (decode.tree_builders, chosen like a stop policy) adds children under nodes whose distribution is
+2. (models.tree.grow) the builder (decode.tree_builders, chosen like a stop policy) adds children under nodes whose distribution is
    known, and names the new nodes the draft should run on next (one tree-attention call per level: each node sees
    the prefix and its ancestors, at position prefix + depth), until it adds none or reaches its depth;
 3. the builder selects the nodes to verify (closed under ancestors);
@@ -23,86 +23,24 @@ tests check it by χ² against target-only sampling).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import torch
 
 from decode.verify import residual
 from models.distributions import draft_probs, greedy_ids
 from models.lm import tree_attention
-
-
-@dataclass
-class Tree:
-    """The round's candidate tree. Node i: `tokens[i]`, `parents[i]` (−1: a child of the root, the last committed
-    token), `depth[i]` (1 for the root's children), `joint[i]` (product of the draft's probabilities along its path),
-    `rank[i]` (1-based rank of its token in its parent's distribution). `q[i]`: the draft's distribution after the
-    node, once the draft has run on it (then `dpos[i]` is its position in the draft cache)."""
-
-    root_q: torch.Tensor
-    tokens: list[int] = field(default_factory=list)
-    parents: list[int] = field(default_factory=list)
-    depth: list[int] = field(default_factory=list)
-    joint: list[float] = field(default_factory=list)
-    rank: list[int] = field(default_factory=list)
-    q: dict = field(default_factory=dict)
-    dpos: dict = field(default_factory=dict)
-    tpos: dict = field(default_factory=dict)  # verified nodes' positions in the target cache
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def add(self, parent: int, token: int, prob: float, rank: int) -> int:
-        self.tokens.append(int(token))
-        self.parents.append(int(parent))
-        self.depth.append(1 if parent < 0 else self.depth[parent] + 1)
-        self.joint.append((1.0 if parent < 0 else self.joint[parent]) * float(prob))
-        self.rank.append(int(rank))
-        return len(self.tokens) - 1
-
-    def dist(self, node: int) -> torch.Tensor:
-        return self.root_q if node < 0 else self.q[node]
-
-    def children(self, nodes: list[int]) -> dict[int, list[int]]:
-        """Parent → its children among `nodes`, in rank order (the order verification tries them)."""
-        out: dict[int, list[int]] = {}
-        for i in sorted(nodes, key=lambda i: (self.rank[i], i)):
-            out.setdefault(self.parents[i], []).append(i)
-        return out
-
-
-def _run_draft(draft, dcache, tree: Tree, nodes: list[int], prefix_len: int, s) -> None:
-    """One draft call on `nodes`: their distributions (as the chain loop computes q) and cache positions."""
-    start = dcache.get_seq_length()
-    pos, mask = tree_attention(tree.parents, nodes, prefix_len, start, tree.dpos, draft.device)
-    logits, _ = draft([tree.tokens[i] for i in nodes], dcache, last=len(nodes), positions=pos, mask=mask)
-    for j, node in enumerate(nodes):
-        tree.q[node] = draft_probs(logits[j], s.temperature if not s.greedy else 0.0, s.top_p)
-        tree.dpos[node] = start + j
+from models.tree import Tree
+from models.tree import grow as grow_tree
 
 
 def grow(draft, dcache, d_pending: list[int], builder, s, budget: int, res) -> tuple[Tree, int, list[int]]:
-    """Steps 1-3: the draft's root distribution, the builder's levels, its selection (no node deeper than the
-    `budget` of tokens left). Returns the tree, the prefix length (committed tokens, all now in the draft cache) and
-    the selected nodes."""
+    """Steps 1-3 (models.tree.grow, then the builder's selection, no node deeper than the `budget` of tokens left);
+    draft and selection time go to `res`. Returns the tree, the prefix length and the selected nodes."""
     ts = time.perf_counter()
-    logits, _ = draft(d_pending, dcache, last=1)
-    res.draft_calls += 1
-    prefix_len = dcache.get_seq_length()
-    tree = Tree(root_q=draft_probs(logits[0], 0.0 if s.greedy else s.temperature, s.top_p))
-    frontier = [-1]
-    for level in range(1, builder.max_depth + 1):
-        new = [tree.add(parent, tok, prob, rank) for parent in frontier
-               for tok, prob, rank in builder.children(tree, parent, level)]
-        if not new or level == builder.max_depth:
-            break
-        frontier = builder.expand(tree, new, level)
-        if not frontier:
-            break
-        _run_draft(draft, dcache, tree, frontier, prefix_len, s)
-        res.draft_calls += 1
-    res.draft_s += time.perf_counter() - ts
+    tree, prefix_len, calls = grow_tree(draft, dcache, d_pending, builder, 0.0 if s.greedy else s.temperature, s.top_p)
+    res.draft_calls += calls
     tp = time.perf_counter()
+    res.draft_s += tp - ts
     selected = sorted(i for i in builder.select(tree) if tree.depth[i] <= budget)
     res.policy_s += time.perf_counter() - tp
     return tree, prefix_len, selected

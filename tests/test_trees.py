@@ -8,7 +8,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from decode.tree import Tree, greedy_walk, sample_walk
+from decode.tree import greedy_walk, sample_walk
+from models.tree import Tree
 
 
 class _Profile:

@@ -1,0 +1,91 @@
+"""A round's candidate token tree and its growth by the draft: one implementation for decode's tree builders and
+data_gen's tree traces (which sit below decode).
+
+The draft's distribution at the root (after its pending tokens) is known first; an *expander* (decode's tree
+builders; data_gen's trace expansion) adds children under nodes whose distribution is known and names the new nodes
+the draft runs on next, one tree-attention call per level (`models.lm.tree_attention`: each node sees the prefix and
+its ancestors, at position prefix + depth). An expander answers `max_depth`, `children(tree, parent, level) ->
+[(token, prob, rank)]` and `expand(tree, new_nodes, level) -> nodes to run`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from models.distributions import draft_probs
+from models.lm import tree_attention
+
+
+@dataclass
+class Tree:
+    """The round's candidate tree. Node i: `tokens[i]`, `parents[i]` (−1: a child of the root, the last committed
+    token), `depth[i]` (1 for the root's children), `joint[i]` (product of the draft's probabilities along its path),
+    `rank[i]` (1-based rank of its token in its parent's distribution). `q[i]`: the draft's distribution after the
+    node, once the draft has run on it (then `dpos[i]` is its position in the draft cache)."""
+
+    root_q: torch.Tensor
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    depth: list[int] = field(default_factory=list)
+    joint: list[float] = field(default_factory=list)
+    rank: list[int] = field(default_factory=list)
+    q: dict = field(default_factory=dict)
+    dpos: dict = field(default_factory=dict)
+    tpos: dict = field(default_factory=dict)  # verified nodes' positions in the target cache
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def add(self, parent: int, token: int, prob: float, rank: int) -> int:
+        self.tokens.append(int(token))
+        self.parents.append(int(parent))
+        self.depth.append(1 if parent < 0 else self.depth[parent] + 1)
+        self.joint.append((1.0 if parent < 0 else self.joint[parent]) * float(prob))
+        self.rank.append(int(rank))
+        return len(self.tokens) - 1
+
+    def dist(self, node: int) -> torch.Tensor:
+        return self.root_q if node < 0 else self.q[node]
+
+    def children(self, nodes: list[int]) -> dict[int, list[int]]:
+        """Parent → its children among `nodes`, in rank order (the order verification tries them)."""
+        out: dict[int, list[int]] = {}
+        for i in sorted(nodes, key=lambda i: (self.rank[i], i)):
+            out.setdefault(self.parents[i], []).append(i)
+        return out
+
+
+def run_nodes(draft, dcache, tree: Tree, nodes: list[int], prefix_len: int, temperature: float = 0.0,
+              top_p: float = 1.0) -> None:
+    """One draft call on `nodes`: their distributions (as the chain loop computes q) and cache positions."""
+    start = dcache.get_seq_length()
+    pos, mask = tree_attention(tree.parents, nodes, prefix_len, start, tree.dpos, draft.device)
+    logits, _ = draft([tree.tokens[i] for i in nodes], dcache, last=len(nodes), positions=pos, mask=mask)
+    for j, node in enumerate(nodes):
+        tree.q[node] = draft_probs(logits[j], temperature, top_p)
+        tree.dpos[node] = start + j
+
+
+def grow(draft, dcache, d_pending: list[int], expander, temperature: float = 0.0, top_p: float = 1.0
+         ) -> tuple[Tree, int, int]:
+    """The draft runs on its pending tokens (the root's distribution), then the expander's levels. Returns the tree,
+    the prefix length (committed tokens, all now in the draft cache) and the number of draft calls."""
+    logits, _ = draft(d_pending, dcache, last=1)
+    prefix_len, calls = dcache.get_seq_length(), 1
+    tree = Tree(root_q=draft_probs(logits[0], temperature, top_p))
+    frontier = [-1]
+    for level in range(1, expander.max_depth + 1):
+        new = [tree.add(parent, tok, prob, rank) for parent in frontier
+               for tok, prob, rank in expander.children(tree, parent, level)]
+        if not new or level == expander.max_depth:
+            break
+        frontier = expander.expand(tree, new, level)
+        if not frontier:
+            break
+        run_nodes(draft, dcache, tree, frontier, prefix_len, temperature, top_p)
+        calls += 1
+    return tree, prefix_len, calls
+
+
