@@ -2,9 +2,10 @@
 
 A round (decode.loop's `_tree_round`, for a policy with `tree = True`):
 1. the draft runs on its pending tokens; its distribution there is the root's;
-2. (models.tree.grow) the builder (decode.tree_builders, chosen like a stop policy) adds children under nodes whose distribution is
-   known, and names the new nodes the draft should run on next (one tree-attention call per level: each node sees
-   the prefix and its ancestors, at position prefix + depth), until it adds none or reaches its depth;
+2. (models.tree.grow) the builder (decode.tree_builders, chosen like a stop policy) adds children under nodes
+   whose distribution is known, and names the new nodes the draft should run on next (one tree-attention call per
+   level: each node sees the prefix and its ancestors, at position prefix + depth), until it adds none or reaches
+   its depth;
 3. the builder selects the nodes to verify (closed under ancestors);
 4. the target runs the pending token(s) and the selected nodes in one tree-attention call;
 5. the walk accepts a root path (below), and both KV caches keep exactly the prefix and the accepted path

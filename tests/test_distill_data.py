@@ -14,7 +14,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from tests.conftest import REPO
+from tests.conftest import REPO, run_cli
 from train import batch_gen
 from train import distill_data as dd
 from train import distill_prompts as dp
@@ -120,6 +120,35 @@ def test_job_resumes_to_the_uninterrupted_rows_and_rebuilds_from_ids(tmp_path):
     rebuilt, _ = rows_of(dd.out_folder(parts))
     assert [r[:2] for r in rebuilt] == [r[:2] for r in ref]
     assert [r[2][0] for r in rebuilt] == [r[2][0] for r in ref]  # same teacher top-1 at every position
+
+
+def test_max_shards_pins_the_data_of_a_growing_folder(tmp_path):
+    cfg = compose_data(tmp_path, "max_shards=2")
+    dd.run(cfg)
+    folder = dd.out_folder(cfg)
+    one, _ = dd.load_items(folder, 1)
+    two, _ = dd.load_items(folder, 2)
+    assert 0 < len(one) < len(two) == len(dd.load_items(folder)[0])
+    with pytest.raises(UserError, match="not the first 3"):
+        dd.load_items(folder, 3)  # the third shard is not made yet
+
+
+@pytest.mark.slow
+def test_ablation_trains_every_variant_on_the_same_shards_and_names_a_winner(tmp_path):
+    """bench.distill_ablation end to end on the tiny pair: one train.distill run per variant, a table, a winner."""
+    cfg = compose_data(tmp_path, "max_shards=1")
+    dd.run(cfg)
+    runs = ["pair=tiny_random", "student.layers=[0]", "train.batch_size=2", "train.val_every=1000",
+            "train.precision=32-true", "data.heldout=[{dataset: mbpp, split: validation, limit: 2}]",
+            "data.heldout_text_chunks=2"]
+    base = "base=[" + ",".join(f"'{o}'" for o in runs) + "]"  # overrides every train.distill run gets
+    out = run_cli("bench.distill_ablation", f"responses={dd.out_folder(cfg)}", "shards=1", "steps=3",
+                  "variants=[fkl,tv]", base, f"log_dir={tmp_path / 'logs'}", f"out_dir={tmp_path / 'res'}")
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads((tmp_path / "res" / "distill_ablation.json").read_text())
+    assert set(res["variants"]) == {"fkl", "tv"} and res["winner"] in res["variants"]
+    assert all(v["steps"] == 3 for v in res["variants"].values())
+    assert "Winner" in (tmp_path / "res" / "distill_ablation.md").read_text()
 
 
 def test_job_refuses_a_folder_of_other_settings(tmp_path):

@@ -169,7 +169,7 @@ def build_data(pair: Pair, cfg: DictConfig) -> tuple[list[dict], list[dict], lis
     if d.get("responses"):  # python -m train.distill_data's folder (the finished shards; it may still be growing)
         from train.distill_data import load_items
 
-        train, made = load_items(Path(os.path.expanduser(str(d.responses))))
+        train, made = load_items(Path(os.path.expanduser(str(d.responses))), d.get("max_shards"))
         if made.get("tokenizer_hash") != pair.tokenizer_hash:
             raise UserError(f"data.responses={d.responses} was made with another tokenizer than pair {pair.name}'s")
     for src in ([] if d.get("responses") else d.sources):

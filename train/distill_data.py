@@ -363,9 +363,11 @@ def _fill(cfg, pair, folder: Path, manifest: dict, groups, seq_dir: Path | None)
           + ("" if done else " (rerun the same command to continue)"), flush=True)
 
 
-def load_items(folder: Path | str) -> tuple[list[dict], dict]:
+def load_items(folder: Path | str, max_shards: int | None = None) -> tuple[list[dict], dict]:
     """(training items {ids, start, vals, idx, source}, manifest) from the shards present in a responses folder —
-    the in-memory form train.distill trains on (a partial folder is usable: training can start while data grows)."""
+    the in-memory form train.distill trains on (a partial folder is usable: training can start while data grows).
+    `max_shards`: only the first N shards of the plan, all of which must be finished (runs that must see the same
+    data, e.g. an ablation, while the folder grows)."""
     from datasets import load_from_disk
 
     folder = Path(folder)
@@ -374,7 +376,13 @@ def load_items(folder: Path | str) -> tuple[list[dict], dict]:
         raise UserError(f"no distillation data at {folder} (no manifest.json); run python -m train.distill_data first")
     k = int(manifest["topk"])
     items = []
-    for index in sorted(store.existing_shards(folder, full=False)):
+    shards = sorted(store.existing_shards(folder, full=False))
+    if max_shards is not None:
+        if [i for i in shards if i < int(max_shards)] != list(range(int(max_shards))):
+            raise UserError(f"{folder} has {len(shards)} finished shards, not the first {max_shards}; run python -m "
+                            "train.distill_data until it has, or lower data.max_shards")
+        shards = shards[: int(max_shards)]
+    for index in shards:
         ds = load_from_disk(str(folder / store.shard_name(index))).with_format("numpy")
         for row in ds:
             n = len(row["ids"]) - int(row["start"])
