@@ -1,14 +1,15 @@
 """Distillation-data throughput: positions per second of `train.distill_data` vs the bare batched forward.
 
-    python -m bench.distill_throughput [pair=smollm2_135m] [prompts=16] [max_new_tokens=64] [batch_size=16]
-        [repeats=2] [threads=0] [out_dir=results/bench]
+    python -m bench.distill_throughput [pair=smollm2_135m] [prompts=24] [max_new_tokens=256] [batch_size=24]
+        [repeats=1] [threads=0] [out_dir=results/bench]
 
 "Ours" is `train.distill_data.shard_rows` + `write_shard` end to end on the first `prompts` of the job's own prompt
-plan (chat template, batched generate with the teacher's top-k recorded at every step, greedy and T = 1, Arrow shard
-with checksums). "Bare" is the least model work that gives the same responses: transformers' batched `generate` of
-the same prompts at the same temperatures, nothing recorded, nothing written. Best of `repeats`, run alternately so
-machine load hits both alike. The ratio says what the recording and the storage cost. Writes
-distill_throughput.{json,md} under out_dir.
+plan (chat template, train.batch_gen's batched generation with the teacher's top-k recorded at every step, greedy and
+T = 1, Arrow shard with checksums). "Bare" is what one would write first: transformers' batched `generate` of the
+same prompts at the same temperatures (one call per temperature), nothing recorded, nothing written. Best of
+`repeats`, run alternately so machine load hits both alike. The ratio says what the job's own generator gains net of
+the recording and the storage (the responses differ in their samples, not in their law, so positions are counted on
+each side). Writes distill_throughput.{json,md} under out_dir.
 """
 
 from __future__ import annotations
