@@ -28,7 +28,7 @@ from utils.cli import UserError
 if TYPE_CHECKING:  # the real import waits until the cheap checks have passed (torch-heavy)
     from data_gen.traces import Item
 
-TRACE_KINDS = ("target_ar", "interleaved")
+TRACE_KINDS = ("target_ar", "interleaved", "tree")
 KINDS_INTERLEAVED = ("prompt", "draft", "target", "mixed")
 OVERFLOW = ("truncate", "skip", "error")
 
@@ -75,7 +75,20 @@ def settings(cfg: DictConfig) -> Settings:
         raise UserError(f"trace.kind={kind} is not one of: {', '.join(TRACE_KINDS)}")
     if int(cfg.trace.max_new_tokens) < 1:
         raise UserError("trace.max_new_tokens must be >= 1")
+    if kind == "tree":
+        _check_tree(cfg.trace)
     return s
+
+
+def _check_tree(t: DictConfig) -> None:
+    """A tree trace records greedy labels (on_path) only, and bounded trees."""
+    if float(t.get("temperature", 0.0)) != 0.0:
+        raise UserError("trace=tree records greedy labels (on_path) only; set trace.temperature=0")
+    if bool(t.get("store_hidden", False)):
+        raise UserError("trace=tree stores no hidden states yet; set trace.store_hidden=false")
+    for name in ("tree_topk", "tree_depth", "stride"):
+        if int(t.get(name, 1)) < 1:
+            raise UserError(f"trace.{name} must be >= 1, got {t.get(name)}")
 
 
 def _encode(tokenizer, text: str, special: bool) -> list[int]:
@@ -144,6 +157,10 @@ def prepare_items(cfg: DictConfig, pair, prompts, s: Settings) -> tuple[list[Ite
 
 def _summary_line(folder: Path, m: dict, seconds: float | None = None, positions: int | None = None) -> str:
     rate = f", {positions / seconds:.1f} positions/s over {seconds:.1f}s" if seconds and positions else ""
+    if m.get("trace_kind") == "tree":  # rows are candidate-tree nodes; `positions` counts nodes here
+        rate = f", {positions / seconds:.1f} nodes/s over {seconds:.1f}s" if seconds and positions else ""
+        return (f"traces {folder}: {m.get('rows')} tree nodes from {m.get('prompts')} prompts; on-path share "
+                f"{m.get('mean_acceptance', float('nan')):.4f}{rate}")
     kinds = m.get("kind_rows") or {}
     if len(kinds) > 1:
         rate += " (rows per kind: " + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items())) + ")"
@@ -265,6 +282,9 @@ def _new_manifest(cfg: DictConfig, split: str, pair, s: Settings, plan: Plan, it
         "hidden_size": int(pair.draft.config.hidden_size) if store_hidden else 0,
         "temperature": float(cfg.trace.get("temperature", 0.0)),
         "top_p": float(cfg.trace.get("top_p", 1.0)),
+        # tree traces: the candidate trees' bounds (models.tree.TopkExpander) and the positions' spacing
+        **({"tree": {"topk": int(cfg.trace.get("tree_topk", 4)), "depth": int(cfg.trace.get("tree_depth", 5)),
+                     "stride": int(cfg.trace.get("stride", 1))}} if str(cfg.trace.kind) == "tree" else {}),
         "max_new_tokens": int(cfg.trace.max_new_tokens),
         "vocab_size": pair.vocab_size,
         # what a draft step and a target pass cost on the machine that made these traces (models.cost)

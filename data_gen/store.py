@@ -57,6 +57,9 @@ def folder_name(cfg: DictConfig, split: str) -> str:
         f"{t.kind}-t{_fmt(t.get('temperature', 0))}-p{_fmt(t.get('top_p', 1.0))}-n{int(t.max_new_tokens)}"
         f"-s{int(t.get('seed', 0))}{'-h' if hidden else ''}"
     )
+    if str(t.kind) == "tree":  # the candidate trees' bounds: two tree traces of one pair differ by them
+        decoding += f"-w{int(t.get('tree_topk', 4))}-d{int(t.get('tree_depth', 5))}"
+        decoding += f"-st{int(t.get('stride', 1))}" if int(t.get("stride", 1)) != 1 else ""
     limit = cfg.get("limit")
     tail = f"-lim{int(limit)}" if limit is not None and int(limit) >= 0 else ""
     return f"{cfg.pair.name}--{dataset}--{decoding}--{split}{tail}"
@@ -239,8 +242,37 @@ def save_table_shard(folder: Path, index: int, table, meta: dict) -> dict:
     return meta
 
 
+# the per-node columns of a `tree` trace besides prompt_id, split, kind, position and draft_topk (data_gen.traces)
+TREE_COLUMNS = ("node", "parent", "depth", "rank", "token", "q_token", "joint", "draft_entropy", "on_path", "length")
+
+
+def _tree_table(rows: list[dict], topk: int):
+    """A pyarrow table of `tree` trace rows (data_gen.traces.tree_rows: one row per candidate-tree node)."""
+    import pyarrow as pa
+
+    def rep(name):
+        return [r[name] for r in rows for _ in range(r["n"])]
+
+    cols = {"prompt_id": pa.array(rep("prompt_id"), pa.string()), "split": pa.array(rep("split"), pa.string()),
+            "kind": pa.array(rep("kind"), pa.string())}
+    for name in ("position", *TREE_COLUMNS):
+        cols[name] = pa.array(np.concatenate([np.asarray(r[name]) for r in rows]) if rows else np.zeros(0, np.int32))
+    flat = np.concatenate([np.asarray(r["draft_topk"], np.float32).reshape(-1) for r in rows]) if rows else np.zeros(0, np.float32)
+    cols["draft_topk"] = pa.FixedSizeListArray.from_arrays(pa.array(flat), topk)
+    return pa.table(cols)
+
+
 def write_shard(folder: Path, index: int, rows: list[dict], topk: int, hidden: int, extra: dict) -> dict:
-    """Write one trace shard atomically (save_table_shard), with summary sums so finalizing never re-reads it."""
+    """Write one trace shard atomically (save_table_shard), with summary sums so finalizing never re-reads it.
+    A `tree` shard's sums: on-path nodes (as `sum_acceptance`: the manifest's rate is the on-path share of nodes) and
+    on-path rank-1 depth-1 nodes (as `greedy_matches`)."""
+    if rows and rows[0]["kind"] == "tree":
+        table = _tree_table(rows, topk)
+        on, depth, rank = (table.column(c).to_numpy() for c in ("on_path", "depth", "rank"))
+        first = depth == 1
+        return save_table_shard(folder, index, table, {
+            "prompt_ids": [r["prompt_id"] for r in rows], "sum_acceptance": float(on.sum()),
+            "kind_rows": {"tree": table.num_rows}, "greedy_matches": int((on & first & (rank == 1)).sum()), **extra})
     table = _table(rows, topk, hidden)
     return save_table_shard(folder, index, table, {
         "prompt_ids": [r["prompt_id"] for r in rows],

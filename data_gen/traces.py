@@ -12,6 +12,11 @@ Two trace kinds (DESIGN.md "Trace kinds"):
   both models on the shared context, so q, the draft's hidden state and p are known at every position without
   extra passes; then the draft samples x ~ q at each position and p(x) is read off.
 
+A third kind, `tree` (issue 30, token trees): the target's greedy continuation y as `target_ar` makes it, then the
+draft walks along y with one KV cache and at every `stride`-th position grows a bounded candidate tree
+(models.tree.TopkExpander, EAGLE-2's expansion) before the tree's entries are dropped again (`LM.keep`). One row per
+node (`tree_batch`); what a tree builder would pick from it is replayed by eval.tree_replay.
+
 Batch invariance: prompts are left-padded with an attention mask and explicit position ids, and every random draw
 comes from a generator seeded by (trace seed, prompt id), consumed the same way whatever the batch — so batch size,
 shard split and resume never change a row (up to fp rounding of batched matmuls).
@@ -25,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from data_gen.store import TREE_COLUMNS
 from models.distributions import draft_probs, entropy, greedy_ids, top2_margin, topk_probs, tvd
 from models.lm import cache_kw
 
@@ -199,6 +205,8 @@ def position_stats(q_logits, p_logits, x, temperature: float, top_p: float, k: i
 def trace_batch(pair, items: list[Item], trace_cfg) -> list[dict[str, np.ndarray]]:
     """Rows (as column arrays, one dict per item, in position order) for a batch of items of one trace kind."""
     kind = str(trace_cfg.kind)
+    if kind == "tree":
+        return tree_batch(pair, items, trace_cfg)
     temperature, top_p = float(trace_cfg.get("temperature", 0.0)), float(trace_cfg.get("top_p", 1.0))
     k = int(trace_cfg.get("topk", 10))
     store_hidden = bool(trace_cfg.get("store_hidden", kind == "interleaved"))
@@ -234,5 +242,66 @@ def trace_batch(pair, items: list[Item], trace_cfg) -> list[dict[str, np.ndarray
         # interleaved) and the prompt: copy features are computed from them at load time (models.features)
         cols["context_token"] = np.asarray(roll.tokens[i], dtype=np.int32)
         cols["prompt_tokens"] = list(it.prefix)
+        results.append(cols)
+    return results
+
+
+def tree_rows(draft, prefix: list[int], y: list[int], expander, stride: int, k: int) -> dict[str, np.ndarray]:
+    """One prompt's tree rows: the draft walks along y with one cache; at positions t = 0, stride, 2·stride, ... its
+    pending tokens are y up to t, it grows a candidate tree there and the tree's cache entries are dropped. The DISCO
+    features of the distribution each node was drawn from come from models.features' extractor (DraftStep), the
+    one decode's policies read. `on_path`: the node's root path is y[t : t + depth] (greedy verification accepts it)."""
+    from models.features import DraftStep
+    from models.tree import grow
+
+    cols: dict[str, list] = {name: [] for name in ("position", *TREE_COLUMNS, "draft_topk")}
+    dcache, last = draft.new_cache(), 0
+    for t in range(0, len(y), stride):
+        pending = list(prefix) if t == 0 else y[last:t]  # the cache holds prefix + y[:last]
+        tree, prefix_len, _ = grow(draft, dcache, pending, expander)
+        draft.keep(dcache, list(range(prefix_len)))
+        last = t
+        feats: dict[int, tuple] = {}
+        on: list[bool] = []
+        for i, (par, tok, d) in enumerate(zip(tree.parents, tree.tokens, tree.depth)):
+            if par not in feats:
+                step = DraftStep(probs=tree.dist(par), token=tok, hidden=None, position_in_round=d - 1, position=t,
+                                 support=draft.support)
+                feats[par] = (step.topk(k).float().cpu().numpy(), float(step.entropy))
+            on.append((par < 0 or on[par]) and t + d - 1 < len(y) and tok == y[t + d - 1])
+            cols["position"].append(t)
+            cols["node"].append(i)
+            cols["parent"].append(par)
+            cols["depth"].append(d)
+            cols["rank"].append(tree.rank[i])
+            cols["token"].append(tok)
+            cols["q_token"].append(float(tree.dist(par)[tok]))
+            cols["joint"].append(tree.joint[i])
+            cols["draft_topk"].append(feats[par][0])
+            cols["draft_entropy"].append(feats[par][1])
+            cols["on_path"].append(on[-1])
+            cols["length"].append(len(y))
+    ints = {"position", "node", "parent", "depth", "rank", "token", "length"}
+    out = {name: np.asarray(v, dtype=np.int32 if name in ints else bool if name == "on_path" else np.float32)
+           for name, v in cols.items() if name != "draft_topk"}
+    out["draft_topk"] = np.stack(cols["draft_topk"]) if cols["draft_topk"] else np.zeros((0, k), np.float32)
+    return out
+
+
+@torch.no_grad()
+def tree_batch(pair, items: list[Item], trace_cfg) -> list[dict[str, np.ndarray]]:
+    """`tree` rows for a batch of items: the target's greedy continuations in one batched rollout (as `target_ar`),
+    then per prompt the draft's walk (`tree_rows`, batch 1: each position's tree has its own shape)."""
+    from models.lm import LM
+    from models.tree import TopkExpander
+
+    roll = rollout(pair, items, trace_cfg, step_draft=False)
+    draft = LM.of(pair, "draft")
+    expander = TopkExpander(int(trace_cfg.get("tree_topk", 4)), int(trace_cfg.get("tree_depth", 5)))
+    stride, k = int(trace_cfg.get("stride", 1)), int(trace_cfg.get("topk", 10))
+    results = []
+    for it, y in zip(items, roll.tokens):
+        cols = tree_rows(draft, it.prefix, list(y), expander, stride, k)
+        cols["prompt_id"], cols["split"], cols["kind"], cols["n"] = it.prompt_id, it.split, "tree", len(cols["node"])
         results.append(cols)
     return results

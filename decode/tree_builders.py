@@ -6,6 +6,8 @@ one more method) and three decisions the loop asks for, level by level (decode.t
   known (the root's, or a node the draft has run on);
 - `expand(tree, new, level)`: which of the new nodes the draft runs on next (one tree-attention call per level);
 - `select(tree)`: the nodes the target verifies, closed under ancestors.
+For eval.tree_replay (greedy replay on data_gen's `tree` traces) a builder also answers `pick(candidate)`: the nodes
+of a recorded candidate tree it would verify, and `replay_cost(candidate, picked)`: (draft levels, verified nodes).
 Children are the top ranks of the draft's distribution (deterministic), which is what makes decode.tree's sampling
 rule exact. Every builder is sized on the measured cost profile t(n) (models.cost): a tree is only worth its
 verification pass where the profile says so, and on a CPU whose t(n) climbs with n the best tree may be a chain.
@@ -58,6 +60,36 @@ class TreeBuilder(StopPolicy):
     def describe(self) -> dict:
         return {"name": self.name, "max_depth": self.max_depth}
 
+    def pick(self, candidate) -> list[int]:
+        """The nodes of a recorded candidate tree (models.tree.Tree from a `tree` trace, no distributions) this
+        builder would verify, closed under ancestors. Static shapes: `static_shape()` matched by (parent, rank)."""
+        return match_shape(*self.static_shape(), candidate)
+
+    def replay_cost(self, candidate, picked: list[int]) -> tuple[int, int]:
+        """(draft levels, verified nodes) of the round: a static shape drafts and verifies all of itself, whether or
+        not the candidate tree recorded every node of it."""
+        parents, _ = self.static_shape()
+        return self.max_depth, len(parents)
+
+    def static_shape(self) -> tuple[list[int], list[int]]:
+        """A static builder's tree as (parents, ranks), every parent before its children (−1: the root)."""
+        raise NotImplementedError(f"{self.name} has no static shape")
+
+
+def match_shape(parents: list[int], ranks: list[int], candidate) -> list[int]:
+    """The candidate's nodes that play a static shape's nodes, matched by (parent, rank) from the root. A shape node
+    the candidate lacks (the trace's expansion did not reach its parent, or its rank is past the trace's top-k) has
+    no match, nor has anything below it: the replay counts it as verified and rejected (it is paid for, never
+    accepted), so a static tree's replayed τ is a lower bound where the trace's tree is narrower than the shape."""
+    at = {(p, r): i for i, (p, r) in enumerate(zip(candidate.parents, candidate.rank))}
+    matched, out = {-1: -1}, []
+    for j, (par, rank) in enumerate(zip(parents, ranks)):
+        node = at.get((matched[par], rank)) if par in matched else None
+        if node is not None:
+            matched[j] = node
+            out.append(node)
+    return out
+
 
 class TreeStatic(TreeBuilder):
     """A fixed shape, as EAGLE-1 and Medusa ship: `branching[l]` children (the draft's top ranks) under every node of
@@ -104,6 +136,18 @@ class TreeStatic(TreeBuilder):
 
     def describe(self):
         return {**super().describe(), "branching": self.branching, "rank_probs": self.rank_probs}
+
+    def static_shape(self):
+        parents, ranks, frontier = [], [], [-1]
+        for b in self.branching:
+            new = []
+            for par in frontier:
+                for r in range(1, b + 1):
+                    parents.append(par)
+                    ranks.append(r)
+                    new.append(len(parents) - 1)
+            frontier = new
+        return parents, ranks
 
 
 class Sequoia(TreeBuilder):
@@ -158,6 +202,9 @@ class Sequoia(TreeBuilder):
         return {**super().describe(), "rank_probs": self.rank_probs, "nodes": len(self.shape.parents),
                 "parents": list(self.shape.parents), "ranks": list(self.shape.ranks)}
 
+    def static_shape(self):
+        return list(self.shape.parents), list(self.shape.ranks)
+
 
 class Eagle2(TreeBuilder):
     """EAGLE-2 (Li et al. 2024, arXiv 2406.16858): a dynamic tree from the draft's confidence. Each level adds the
@@ -194,3 +241,19 @@ class Eagle2(TreeBuilder):
 
     def describe(self):
         return {**super().describe(), "topk": self.topk, "max_nodes": self.max_nodes}
+
+    def pick(self, candidate):
+        """`select` on the candidate's first `max_depth` levels: with the trace's top-k equal to `topk` (the replay
+        checks it) those levels are exactly the tree this builder grows, so the pick is decode's."""
+        keep = sum(1 for d in candidate.depth if d <= self.max_depth)  # nodes are added level by level
+        if keep < len(candidate):
+            from models.tree import Tree
+
+            candidate = Tree(root_q=candidate.root_q, tokens=candidate.tokens[:keep],
+                             parents=candidate.parents[:keep], depth=candidate.depth[:keep],
+                             joint=candidate.joint[:keep], rank=candidate.rank[:keep])
+        return self.select(candidate)
+
+    def replay_cost(self, candidate, picked):
+        """It grows every level it can (one draft call each) whatever it then selects."""
+        return min(self.max_depth, max(candidate.depth, default=1)), len(picked)

@@ -89,3 +89,20 @@ def grow(draft, dcache, d_pending: list[int], expander, temperature: float = 0.0
     return tree, prefix_len, calls
 
 
+
+
+class TopkExpander:
+    """EAGLE-2's expansion without its selection (data_gen's tree traces): every expanded node gets its draft
+    distribution's top-`topk` children, and per level the `topk` new nodes of highest joint probability are
+    expanded, to depth `max_depth`. decode.tree_builders.Eagle2 grows exactly this tree (same children, same order),
+    so a trace of it holds every node Eagle2 could select, and any shallower Eagle2 tree is its first levels."""
+
+    def __init__(self, topk: int = 4, max_depth: int = 5):
+        self.topk, self.max_depth = int(topk), int(max_depth)
+
+    def children(self, tree: Tree, parent: int, level: int) -> list[tuple[int, float, int]]:
+        v, i = tree.dist(parent).topk(self.topk)
+        return [(int(t), float(p), r + 1) for r, (p, t) in enumerate(zip(v.tolist(), i.tolist()))]
+
+    def expand(self, tree: Tree, new: list[int], level: int) -> list[int]:
+        return sorted(new, key=lambda i: -tree.joint[i])[: self.topk]

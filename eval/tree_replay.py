@@ -1,0 +1,254 @@
+"""Replay token-tree builders on `tree` traces under the cost model: what each tree would gain, without decoding.
+
+    python -m eval.tree_replay traces=FOLDER ['policies=[tree_static,sequoia,eagle2]'] [prompts=500] out_dir=DIR
+
+A `tree` trace (python -m data_gen trace=tree) holds, at every position t of the target's greedy continuation y, the
+candidate tree the draft grows there (EAGLE-2's expansion, models.tree.TopkExpander) with each node's greedy label
+`on_path` (its root path is y[t : t + depth]). Greedy decoding stays on y, so a round at t is replayed noise-free:
+the builder picks nodes from the recorded tree (`pick`, decode.tree_builders), the accepted length is the deepest
+on-path picked node (its ancestors are picked: picks are ancestor-closed, and checked), the round emits accepted + 1
+tokens and t advances by that. Builders: `policies` (the tree builders of conf/policy/, built as decode builds them,
+sized on the trace's cost profile) and the chains `chain_K` (K rank-1 nodes, the width-1 tree = greedy chain
+drafting of K tokens) for K = 1 .. the trace depth, so the best tree is compared with the best chain
+(`best_tree_vs_chain`).
+
+Agreement with decode: eagle2 with the trace's top-k picks exactly decode's nodes, so its rounds are decode's up to
+draft numerics (decode's draft cache is built round by round, the trace's position by position: near-tied joints can
+order differently); a static shape's nodes the trace lacks (an unexpanded parent, a rank past the trace's top-k) are
+paid for and never accepted (a lower bound on its τ). Time is the cost model: a round costs its draft levels × c (the
+first call at the profile's cold cost when it has one) + t(nodes + 1)/t(1), against one target step per token
+(prefills excluded on both sides). Intervals: 95% bootstrap over prompts (utils.stats), paired across builders.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from omegaconf import DictConfig
+from tqdm.auto import tqdm
+
+from models.cost import CostProfile
+from models.tree import Tree
+from utils.cli import UserError, hydra_entry, output_dir
+from utils.files import write_text_atomic
+
+COLUMNS = ["prompt_id", "position", "node", "parent", "depth", "rank", "token", "joint", "on_path", "length"]
+METRICS = ("tau", "nodes", "levels", "speedup")
+
+
+@dataclass
+class Candidates:
+    """One prompt's recorded trees: `trees[t]` and `on_path[t]` at every position t of its continuation of length n."""
+
+    prompt_id: str
+    n: int
+    trees: list[Tree]
+    on_path: list[np.ndarray]
+
+
+def check_trace(manifest: dict, folder) -> dict:
+    """The trace's tree settings; anything but a greedy stride-1 `tree` trace refused in one line."""
+    tree = manifest.get("tree") or {}
+    if manifest.get("trace_kind") != "tree":
+        raise UserError(f"{folder} holds {manifest.get('trace_kind')} traces; this needs tree traces "
+                        "(python -m data_gen trace=tree split=... limit=...)")
+    if int(tree.get("stride", 1)) != 1:
+        raise UserError(f"{folder} has a tree every {tree['stride']} positions; the replay lands on every position: "
+                        "make the traces with trace.stride=1")
+    return tree
+
+
+def candidates_from_columns(cols: dict, prompts: int | None = None) -> list[Candidates]:
+    """Columns of a tree trace (any row order) as per-prompt candidate trees, prompts in order of first appearance."""
+    pids = np.asarray(cols["prompt_id"])
+    _, first = np.unique(pids, return_index=True)
+    order_ids = [pids[i] for i in sorted(first)][: prompts if prompts else None]
+    out = []
+    for pid in order_ids:
+        idx = np.flatnonzero(pids == pid)
+        idx = idx[np.lexsort((cols["node"][idx], cols["position"][idx]))]
+        n = int(cols["length"][idx[0]])
+        trees: list[Tree | None] = [None] * n
+        on: list[np.ndarray | None] = [None] * n
+        pos = cols["position"][idx]
+        for t in range(n):
+            sel = idx[pos == t]
+            if len(sel) == 0:
+                raise UserError(f"prompt {pid} has no candidate tree at position {t}; regenerate the trace (stride=1)")
+            trees[t] = Tree(root_q=None, tokens=cols["token"][sel].tolist(), parents=cols["parent"][sel].tolist(),
+                            depth=cols["depth"][sel].tolist(), joint=cols["joint"][sel].astype(float).tolist(),
+                            rank=cols["rank"][sel].tolist())
+            on[t] = cols["on_path"][sel].astype(bool)
+        out.append(Candidates(str(pid), n, trees, on))
+    return out
+
+
+def accepted(tree: Tree, on_path: np.ndarray, picked: list[int]) -> int:
+    """The depth of the deepest on-path picked node whose ancestors are all picked (0: none)."""
+    chosen, best = set(picked), 0
+    for node in picked:
+        if not on_path[node] or tree.depth[node] <= best:
+            continue
+        cur = tree.parents[node]
+        while cur >= 0 and cur in chosen:
+            cur = tree.parents[cur]
+        if cur < 0:
+            best = tree.depth[node]
+    return best
+
+
+def round_cost(levels: int, nodes: int, profile) -> float:
+    """A round's time in target steps: `levels` draft calls, the first cold when the profile measured it, and one
+    verification pass over the pending token + `nodes`."""
+    c = float(profile.cost_ratio)
+    cold_ms = getattr(profile, "draft_cold_ms", None)
+    cold = float(cold_ms) / float(profile.target_ms[0]) if cold_ms else c
+    return (cold + (levels - 1) * c if levels else 0.0) + float(profile.verify_ratio(nodes + 1))
+
+
+def replay_prompt(builder, cand: Candidates, profile) -> dict:
+    """Greedy rounds along y; returns per-round lists (tokens emitted, accepted, nodes, levels) and the cost."""
+    t, rounds = 0, {"tokens": [], "accepted": [], "nodes": [], "levels": []}
+    cost = 0.0
+    while t < cand.n:
+        tree, on = cand.trees[t], cand.on_path[t]
+        picked = builder.pick(tree)
+        acc = accepted(tree, on, picked)
+        levels, nodes = builder.replay_cost(tree, picked)
+        emit = min(acc + 1, cand.n - t)
+        for key, v in zip(rounds, (emit, acc, nodes, levels)):
+            rounds[key].append(v)
+        cost += round_cost(levels, nodes, profile)
+        t += emit
+    return {**rounds, "cost": cost}
+
+
+def chains(depth: int, profile) -> dict:
+    """The width-1 trees: K rank-1 nodes (greedy chain drafting of K tokens) for K = 1 .. depth."""
+    from decode.tree_builders import TreeStatic
+
+    return {f"chain_{k}": TreeStatic(branching=[1] * k, max_depth=k, profile=profile) for k in range(1, depth + 1)}
+
+
+def builders(cfg: DictConfig, tree: dict, profile) -> tuple[dict, dict]:
+    """The listed tree builders as decode builds them (conf/policy + policy.* overrides, sized on `profile`), plus
+    notes on settings the trace bounds; non-tree policies refused."""
+    from decode.methods import methods_from_cfg
+    from decode.policies import build_policy
+
+    out, notes = {}, {}
+    for m in methods_from_cfg(cfg):
+        if not m.policy_class.tree:
+            raise UserError(f"{m.key} is not a token-tree builder; list tree builders (tree_static, sequoia, eagle2) "
+                            "or replay chain policies with python -m eval.replay")
+        b = build_policy(m.spec, m.params, profile=profile, target=m.target)
+        if hasattr(b, "topk") and int(b.topk) != int(tree.get("topk", 4)):
+            raise UserError(f"{m.key} expands the top {b.topk} but the trace's trees the top {tree.get('topk')}; pass "
+                            f"policy.{m.key}.topk={tree.get('topk')} or make traces with trace.tree_topk={b.topk}")
+        if hasattr(b, "topk") and b.max_depth > int(tree.get("depth", 5)):
+            notes[m.key] = f"max_depth {b.max_depth} capped at the trace depth {tree['depth']}"
+            b.max_depth = b.max_len = int(tree["depth"])
+        out[m.key] = b
+    return out, notes
+
+
+def summarize(per: dict[str, list[dict]], resamples: int) -> dict:
+    """Per builder: τ, verified nodes and draft levels per round, cost-model speedup (ratios of sums over prompts)
+    with paired 95% bootstrap intervals; the best chain and `best_tree_vs_chain`."""
+    from utils.stats import bootstrap_ci
+
+    keys = list(per)
+    sums = {name: np.array([[sum(r[name]) for r in per[k]] for k in keys], dtype=float)
+            for name in ("tokens", "nodes", "levels")}
+    rounds = np.array([[len(r["tokens"]) for r in per[k]] for k in keys], dtype=float)
+    cost = np.array([[r["cost"] for r in per[k]] for k in keys], dtype=float)
+    num = {"tau": sums["tokens"], "nodes": sums["nodes"], "levels": sums["levels"], "speedup": sums["tokens"]}
+    den = {"tau": rounds, "nodes": rounds, "levels": rounds, "speedup": cost}
+    point = {m: num[m].sum(-1) / den[m].sum(-1) for m in METRICS}
+    chain_keys = [k for k in keys if k.startswith("chain_")]
+    tree_keys = [k for k in keys if not k.startswith("chain_")]
+    best_chain = max(chain_keys, key=lambda k: point["speedup"][keys.index(k)]) if chain_keys else None
+    best_tree = max(tree_keys, key=lambda k: point["speedup"][keys.index(k)]) if tree_keys else None
+
+    def stat(idx, axis=-1):
+        rows = [num[m][:, idx].sum(-1) / den[m][:, idx].sum(-1) for m in METRICS]
+        if best_chain and best_tree:
+            sp = rows[METRICS.index("speedup")]
+            rows.append((sp[keys.index(best_tree)] / sp[keys.index(best_chain)])[None])
+        return np.concatenate(rows, axis=0)
+
+    n = rounds.shape[1]
+    ci = bootstrap_ci(n, stat, n_resamples=resamples, method="percentile") if n > 1 else None
+    table = {}
+    for i, k in enumerate(keys):
+        table[k] = {"prompts": n, "tokens": int(sums["tokens"][i].sum()), "rounds": int(rounds[i].sum())}
+        for j, m in enumerate(METRICS):
+            table[k][m] = float(point[m][i])
+            table[k][f"{m}_ci"] = ci[j * len(keys) + i] if ci else None
+    out = {"builders": table, "best_chain": best_chain, "best_tree": best_tree}
+    if best_chain and best_tree:
+        ratio = table[best_tree]["speedup"] / table[best_chain]["speedup"]
+        out["best_tree_vs_chain"] = {"value": ratio, "ci": ci[-1] if ci else None}
+    return out
+
+
+def markdown(res: dict) -> str:
+    s = res["settings"]
+    fmt = lambda v, c: f"{v:.3f}" + (f" [{c[0]:.3f}, {c[1]:.3f}]" if c else "")  # noqa: E731
+    lines = [f"# Tree replay: {s['pair']}, {s['prompts']} prompts of {s['traces']}", "",
+             f"Greedy, noise-free (eval/tree_replay.py); trees of top-{s['tree']['topk']} to depth "
+             f"{s['tree']['depth']}; cost profile c = {s['c']:.3f}. 95% bootstrap intervals over prompts.", "",
+             "| builder | τ (tokens/round) | verified nodes/round | draft levels/round | cost-model speedup |",
+             "|---|---|---|---|---|"]
+    for k, r in res["builders"].items():
+        lines.append(f"| {k} | " + " | ".join(fmt(r[m], r[f"{m}_ci"]) for m in METRICS) + " |")
+    if "best_tree_vs_chain" in res:
+        b = res["best_tree_vs_chain"]
+        lines += ["", f"best tree {res['best_tree']} vs best chain {res['best_chain']}: {fmt(b['value'], b['ci'])}×"]
+    for k, note in res.get("notes", {}).items():
+        lines.append(f"- {k}: {note}")
+    return "\n".join(lines) + "\n"
+
+
+def run(cfg: DictConfig) -> dict:
+    from data_gen.contract import trace_columns
+    from data_gen.store import load_traces
+
+    if not cfg.get("traces"):
+        raise UserError("pass the trace folder: traces=FOLDER (python -m data_gen trace=tree split=test limit=N)")
+    folder = Path(str(cfg.traces))
+    if not folder.exists():
+        raise UserError(f"no traces at {folder}; make them with python -m data_gen trace=tree split=... limit=...")
+    ds, manifest = load_traces(folder)
+    tree = check_trace(manifest, folder)
+    profile = CostProfile.from_dict(manifest["cost_profile"])
+    cands = candidates_from_columns(trace_columns(ds, COLUMNS), int(cfg.prompts) if cfg.get("prompts") else None)
+    built, notes = builders(cfg, tree, profile)
+    built.update(chains(int(tree.get("depth", 5)), profile))
+    per = {k: [replay_prompt(b, c, profile) for c in tqdm(cands, desc=f"tree_replay {k}", leave=False)]
+           for k, b in built.items()}
+    res = {"settings": {"traces": str(folder), "pair": manifest.get("pair_id"), "prompts": len(cands), "tree": tree,
+                        "c": profile.cost_ratio, "cost_profile": profile.to_dict(),
+                        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                        "builders": {k: b.describe() for k, b in built.items()}},
+           **summarize(per, int(cfg.get("resamples", 4000))), "notes": notes}
+    out = output_dir(cfg.get("out_dir"))
+    out.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out / "tree_replay.json", json.dumps(res, indent=1) + "\n")
+    write_text_atomic(out / "tree_replay.md", markdown(res))
+    print(markdown(res))
+    print(f"wrote {out / 'tree_replay.json'} and {out / 'tree_replay.md'}")
+    return res
+
+
+@hydra_entry("tree_replay", open_dicts=("policy",))
+def main(cfg: DictConfig) -> dict:
+    return run(cfg)
+
+
+if __name__ == "__main__":
+    main()
