@@ -1,7 +1,7 @@
 """Tree builders: which draft tokens the target verifies, chosen like stop policies (`policies=[tree_static,eagle2]`).
 
 A builder is a `decode.policies.StopPolicy` with `tree = True` (so decode, the replay and the tables treat it as
-one more method) and three decisions the loop asks for, level by level (decode.tree.grow):
+one more method) and three decisions the loop asks for, level by level (models.tree.grow):
 - `children(tree, parent, level)`: the (token, prob, rank) children to add under a node whose draft distribution is
   known (the root's, or a node the draft has run on);
 - `expand(tree, new, level)`: which of the new nodes the draft runs on next (one tree-attention call per level);
@@ -19,6 +19,10 @@ import torch
 
 from decode.policies import StopPolicy
 from utils.cli import UserError
+
+
+# the default pair's acceptance by rank on MBPP test (results/trees/ceiling.json); conf/policy/*.yaml carry it too
+RANK_PROBS = (0.584, 0.121, 0.040, 0.026, 0.017, 0.010, 0.012, 0.008)
 
 
 def _top(q: torch.Tensor, k: int) -> list[tuple[int, float, int]]:
@@ -99,7 +103,7 @@ class TreeStatic(TreeBuilder):
 
     name = "tree_static"
 
-    def __init__(self, branching=(2, 2, 1, 1, 1), rank_probs=(0.61, 0.12, 0.04, 0.025), max_depth: int | None = None,
+    def __init__(self, branching=(2, 2, 1, 1, 1), rank_probs=RANK_PROBS, max_depth: int | None = None,
                  profile=None):
         branching = [int(b) for b in branching]
         if not branching or min(branching) < 1:
@@ -159,7 +163,7 @@ class Sequoia(TreeBuilder):
 
     name = "sequoia"
 
-    def __init__(self, rank_probs=(0.61, 0.12, 0.04, 0.025), max_nodes: int = 32, max_depth: int = 12, profile=None):
+    def __init__(self, rank_probs=RANK_PROBS, max_nodes: int = 32, max_depth: int = 12, profile=None):
         from models.tree_dp import TreeTable
 
         super().__init__(max_depth, profile)
