@@ -25,6 +25,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from bench import command, compose_stage, repo_path
+from data_gen.traces import _left_pad
 from models.pair import load_pair
 from train import distill_data as dd
 from utils.cli import hydra_entry
@@ -58,20 +59,11 @@ def run_bare(c: DictConfig, pair, prompts) -> tuple[float, int]:
         gc = GenerationConfig(max_new_tokens=int(c.responses.max_new_tokens), do_sample=temp > 0, temperature=1.0,
                               top_k=None, top_p=None, pad_token_id=pair.tokenizer.pad_token_id, eos_token_id=sorted(eos))
         for b in range(0, len(enc), int(c.batch_size)):
-            ids, mask = _left_pad(enc[b : b + int(c.batch_size)], pair.tokenizer.pad_token_id, pair.device)
+            ids, mask, _ = _left_pad(enc[b : b + int(c.batch_size)], pair.tokenizer.pad_token_id, pair.device)
             out = pair.target.generate(input_ids=ids, attention_mask=mask, generation_config=gc)
             for row in out[:, ids.shape[1]:].tolist():
                 positions += next((t + 1 for t, x in enumerate(row) if x in eos), len(row))
     return time.perf_counter() - start, positions
-
-
-def _left_pad(rows: list[list[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(map(len, rows))
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for r, e in enumerate(rows):
-        ids[r, width - len(e):], mask[r, width - len(e):] = torch.tensor(e), 1
-    return ids.to(device), mask.to(device)
 
 
 def run(cfg: DictConfig) -> None:
