@@ -35,14 +35,15 @@ from models.tree import grow as grow_tree
 
 
 def grow(draft, dcache, d_pending: list[int], builder, s, budget: int, res) -> tuple[Tree, int, list[int]]:
-    """Steps 1-3 (models.tree.grow, then the builder's selection, no node deeper than the `budget` of tokens left);
+    """Steps 1-3 (models.tree.grow to no deeper than the `budget` of tokens left, then the builder's selection);
     draft and selection time go to `res`. Returns the tree, the prefix length and the selected nodes."""
     ts = time.perf_counter()
-    tree, prefix_len, calls = grow_tree(draft, dcache, d_pending, builder, 0.0 if s.greedy else s.temperature, s.top_p)
+    tree, prefix_len, calls = grow_tree(draft, dcache, d_pending, builder, 0.0 if s.greedy else s.temperature, s.top_p,
+                                        max_depth=budget)
     res.draft_calls += calls
     tp = time.perf_counter()
     res.draft_s += tp - ts
-    selected = sorted(i for i in builder.select(tree) if tree.depth[i] <= budget)
+    selected = sorted(builder.select(tree))
     res.policy_s += time.perf_counter() - tp
     return tree, prefix_len, selected
 

@@ -31,7 +31,8 @@ def _top(q: torch.Tensor, k: int) -> list[tuple[int, float, int]]:
 
 
 class TreeBuilder(StopPolicy):
-    """Base: the capability flags and the profile-based cost of a round (draft levels + one verification)."""
+    """Base: the capability flags, the profile-based cost of a round (draft levels + one verification), and the
+    expected-value test for drafting one more level that the cost-aware builders share."""
 
     name = "tree"
     tree = True
@@ -51,6 +52,21 @@ class TreeBuilder(StopPolicy):
         CPU) and a verification pass over the pending token + `nodes`."""
         c = float(self.profile.cost_ratio)
         return depth * c + float(self.profile.verify_ratio(nodes + 1))
+
+    def best_prefix(self, expected: float, levels: int, nodes: int, offers: list[tuple[float, int]]) -> int:
+        """How many of `offers` (gain, nodes) — the next level's candidates, best first — to draft: the prefix that
+        most raises the round's expected tokens per unit time, 0 when none does. `expected` tokens (1 + the nodes'
+        estimated acceptances) for `levels` draft calls and `nodes` verified nodes so far; the next level costs one
+        more draft call and its nodes' share of the verification pass. With one rank-1 offer this is exactly the
+        chain's expected-value stop rule (decode.policies.ExpectedValueRule: gain = survival × the last token's
+        probability), so a builder that uses it contains the expected-value chain."""
+        best, best_m, gain, added = expected / self.round_cost(levels, nodes), 0, 0.0, 0
+        for m, (g, n) in enumerate(offers, 1):
+            gain, added = gain + g, added + n
+            value = (expected + gain) / self.round_cost(levels + 1, nodes + added)
+            if value > best * (1 + 1e-12):
+                best, best_m = value, m
+        return best_m
 
     def children(self, tree, parent: int, level: int) -> list[tuple[int, float, int]]:
         raise NotImplementedError
@@ -78,6 +94,51 @@ class TreeBuilder(StopPolicy):
     def static_shape(self) -> tuple[list[int], list[int]]:
         """A static builder's tree as (parents, ranks), every parent before its children (−1: the root)."""
         raise NotImplementedError(f"{self.name} has no static shape")
+
+
+def own_prob(tree, node: int) -> float:
+    """The draft's probability of the node's token after its parent (joint ÷ the parent's joint)."""
+    par = tree.parents[node]
+    if par < 0:
+        return tree.joint[node]
+    return tree.joint[node] / tree.joint[par] if tree.joint[par] > 0 else 0.0
+
+
+class GrownTree(TreeBuilder):
+    """A builder whose growth decisions (`expand`) and selection read only the tree's joints, depths and ranks, so
+    the replay (eval.tree_replay) reproduces decode's rounds on a recorded candidate tree: `pick` regrows the round
+    level by level as models.tree.grow does, adding the candidate's nodes that `replay_children` names (what
+    `children` would add) with the candidate's joints, then selects."""
+
+    def replay_children(self, tree, parent: int, candidate, cparent: int, level: int) -> list[int]:
+        """The candidate's nodes (ids) this builder would add under `cparent` (tree node `parent`), in the order
+        `children` adds them; one it would add that the candidate lacks is counted in `_replay_missing`."""
+        raise NotImplementedError
+
+    def pick(self, candidate) -> list[int]:
+        from models.tree import Tree
+
+        self._replay_missing = 0
+        tree, back, frontier = Tree(root_q=None), [], [-1]
+        for level in range(1, self.max_depth + 1):
+            new = []
+            for par in frontier:
+                for c in self.replay_children(tree, par, candidate, -1 if par < 0 else back[par], level):
+                    new.append(tree.add(par, candidate.tokens[c], own_prob(candidate, c), candidate.rank[c]))
+                    tree.joint[-1] = candidate.joint[c]  # the recorded joint itself, not a re-multiplied one
+                    back.append(c)
+            if not new or level == self.max_depth:
+                break
+            frontier = self.expand(tree, new, level)
+            if not frontier:
+                break
+        self._replay_levels = max(tree.depth, default=1)
+        return sorted(back[i] for i in self.select(tree))
+
+    def replay_cost(self, candidate, picked):
+        """Draft calls: every level grown (whatever the selection then keeps); nodes: the picked ones plus those the
+        builder would have added that the trace lacks (paid for, never accepted)."""
+        return self._replay_levels, len(picked) + self._replay_missing
 
 
 def match_shape(parents: list[int], ranks: list[int], candidate) -> list[int]:
@@ -154,16 +215,23 @@ class TreeStatic(TreeBuilder):
         return parents, ranks
 
 
-class Sequoia(TreeBuilder):
+class Sequoia(GrownTree):
     """Sequoia (Chen et al. 2024, arXiv 2402.12374): the best static tree by dynamic programming
     (models.tree_dp) from the acceptance-by-rank vector `rank_probs` (`python -m eval.tree_ceiling` measures it and
     prints this override), sized on the measured profile: among trees of up to `max_nodes` nodes and `max_depth`
-    levels, the one with the most expected tokens per unit time. Where the profile's verification pass climbs
-    steeply (a CPU) that tree is a chain, so the builder can never lose to the chain it contains by much."""
+    levels, the one with the most expected tokens per unit time.
+
+    Two departures, so that it never loses to the chain it contains (issue 30's bar): the shape's rank-1 spine goes
+    on past the shape, to `spine_depth` levels; and each level is drafted only while the expected-value rule says it
+    pays (`best_prefix`: a node's acceptance is its joint draft probability, a rank-r child of node i is worth
+    joint_i · q_i · rank_probs[r]/rank_probs[1]). Where the shape is a chain this is exactly `expected_value` (a=1,
+    b=0) capped at `spine_depth`; a static tree is what it grows when the draft stays confident."""
 
     name = "sequoia"
+    SPINE = -2  # the shape-node id of the spine's continuation past the shape
 
-    def __init__(self, rank_probs=RANK_PROBS, max_nodes: int = 32, max_depth: int = 12, profile=None):
+    def __init__(self, rank_probs=RANK_PROBS, max_nodes: int = 32, max_depth: int = 12, spine_depth: int = 16,
+                 profile=None):
         from models.tree_dp import TreeTable
 
         super().__init__(max_depth, profile)
@@ -179,17 +247,25 @@ class Sequoia(TreeBuilder):
                 if speed > best + 1e-12:
                     best, shape = speed, t
         self.shape = shape
-        self.max_depth = self.max_len = shape.depth
+        self.spine_depth = max(int(spine_depth), shape.depth)
+        self.max_depth = self.max_len = self.spine_depth
         self.kids: dict[int, list[tuple[int, int]]] = {}
         for j, (par, rank) in enumerate(zip(shape.parents, shape.ranks)):
             self.kids.setdefault(par, []).append((j, rank))
+        end = -1  # the spine's last shape node: follow rank-1 children from the root
+        while any(r == 1 for _, r in self.kids.get(end, [])):
+            end = next(j for j, r in self.kids[end] if r == 1)
+        self.kids.setdefault(end, []).append((self.SPINE, 1))
+        self.kids[self.SPINE] = [(self.SPINE, 1)]
         self._node_shape: dict[int, int] = {}
+
+    def _spec(self, node: int) -> list[tuple[int, int]]:
+        return self.kids.get(-1 if node < 0 else self._node_shape.get(node), [])
 
     def children(self, tree, parent, level):
         if parent < 0:
             self._node_shape = {}  # a new round: tree node -> shape node
-        here = -1 if parent < 0 else self._node_shape.get(parent)
-        spec = self.kids.get(here, [])
+        spec = self._spec(parent)
         if not spec:
             return []
         top = _top(tree.dist(parent), max(r for _, r in spec))
@@ -200,23 +276,47 @@ class Sequoia(TreeBuilder):
         return out
 
     def expand(self, tree, new, level):
-        return [i for i in new if self.kids.get(self._node_shape.get(i))]
+        """The level's nodes with children in the shape, best offers first, while drafting them pays."""
+        offers = []
+        for i in new:
+            spec = self._spec(i)
+            if spec:
+                a = tree.joint[i] * own_prob(tree, i)  # the chain's estimate of the rank-1 child's acceptance
+                ratio = sum(self.rank_probs[r - 1] for _, r in spec if r <= len(self.rank_probs)) / self.rank_probs[0]
+                offers.append((a * ratio, len(spec), i))
+        offers.sort(key=lambda o: -o[0] / o[1])
+        m = self.best_prefix(1.0 + sum(tree.joint), level, len(tree), [(g, n) for g, n, _ in offers])
+        return sorted(i for _, _, i in offers[:m])
+
+    def replay_children(self, tree, parent, candidate, cparent, level):
+        if parent < 0:
+            self._node_shape = {}
+        at = {r: i for i, (p, r) in enumerate(zip(candidate.parents, candidate.rank)) if p == cparent}
+        out = []
+        for j, rank in self._spec(parent):
+            if rank in at:
+                self._node_shape[len(tree) + len(out)] = j
+                out.append(at[rank])
+            else:
+                self._replay_missing += 1
+        return out
 
     def describe(self):
         return {**super().describe(), "rank_probs": self.rank_probs, "nodes": len(self.shape.parents),
-                "parents": list(self.shape.parents), "ranks": list(self.shape.ranks)}
-
-    def static_shape(self):
-        return list(self.shape.parents), list(self.shape.ranks)
+                "spine_depth": self.spine_depth, "parents": list(self.shape.parents), "ranks": list(self.shape.ranks)}
 
 
-class Eagle2(TreeBuilder):
+class Eagle2(GrownTree):
     """EAGLE-2 (Li et al. 2024, arXiv 2406.16858): a dynamic tree from the draft's confidence. Each level adds the
     top-`topk` children of the level's expanded nodes and expands the `topk` new nodes of highest joint probability
     (product of draft probabilities along the path: EAGLE-2's estimate of the chance a node is accepted); then the
-    nodes are reranked by joint probability. Where EAGLE-2 keeps a fixed top N, here N is chosen every round on the
-    profile: the N that maximises (1 + Σ of the N best joints) / round cost — the tree grows while the next node's
-    expected gain pays for its share of the verification pass."""
+    nodes are reranked by joint probability and the best N verified.
+
+    Sized on the measured profile where EAGLE-2 fixes its depth and N (tuned for a GPU, where a draft call and a
+    wider verification are nearly free): N is chosen every round as the N that maximises (1 + Σ of the N best
+    joints) / round cost, and a level is drafted only for the prefix of its expansion that pays for one more draft
+    call (`best_prefix`, a node offering its rank-1 child at joint · own probability: the chain's expected-value
+    estimate) — so on a CPU where draft calls are dear it stops as the expected-value chain would."""
 
     name = "eagle2"
 
@@ -229,35 +329,36 @@ class Eagle2(TreeBuilder):
     def children(self, tree, parent, level):
         return _top(tree.dist(parent), self.topk)
 
+    def replay_children(self, tree, parent, candidate, cparent, level):
+        kids = sorted((r, i) for i, (p, r) in enumerate(zip(candidate.parents, candidate.rank))
+                      if p == cparent and r <= self.topk)
+        self._replay_missing += self.topk - len(kids)
+        return [i for _, i in kids]
+
+    def _order(self, tree) -> list[int]:
+        # joint ≤ its parent's joint (ties: the shallower first), so every prefix of this order is ancestor-closed
+        return sorted(range(len(tree)), key=lambda i: (-tree.joint[i], tree.depth[i], i))[: self.max_nodes]
+
+    def _best(self, tree, levels: int) -> tuple[float, int]:
+        """(expected tokens, N) of the best selection: the N best joints with the most tokens per unit time."""
+        best, best_e, best_n, gain = 1.0 / self.round_cost(levels, 0), 1.0, 0, 0.0
+        for n, node in enumerate(self._order(tree), 1):
+            gain += tree.joint[node]
+            value = (1 + gain) / self.round_cost(levels, n)
+            if value > best:
+                best, best_e, best_n = value, 1 + gain, n
+        return best_e, best_n
+
     def expand(self, tree, new, level):
-        return sorted(new, key=lambda i: -tree.joint[i])[: self.topk]
+        top = sorted(new, key=lambda i: -tree.joint[i])[: self.topk]  # EAGLE-2's expansion
+        expected, n = self._best(tree, level)
+        offers = [(tree.joint[i] * own_prob(tree, i), 1) for i in top]
+        return top[: self.best_prefix(expected, level, n, offers)]
 
     def select(self, tree):
-        order = sorted(range(len(tree)), key=lambda i: (-tree.joint[i], tree.depth[i], i))[: self.max_nodes]
-        best, best_n, gain, depth = 1.0 / self.round_cost(1, 0), 0, 0.0, 1
-        for n, node in enumerate(order, 1):  # joint ≤ parent's joint, so every prefix of `order` is ancestor-closed
-            gain += tree.joint[node]
-            depth = max(depth, tree.depth[node])
-            value = (1 + gain) / self.round_cost(depth, n)
-            if value > best:
-                best, best_n = value, n
-        return order[:best_n]
+        """The best N by joint, costed with the levels the round drafted (every level paid a draft call)."""
+        _, n = self._best(tree, max(tree.depth, default=1))
+        return self._order(tree)[:n]
 
     def describe(self):
         return {**super().describe(), "topk": self.topk, "max_nodes": self.max_nodes}
-
-    def pick(self, candidate):
-        """`select` on the candidate's first `max_depth` levels: with the trace's top-k equal to `topk` (the replay
-        checks it) those levels are exactly the tree this builder grows, so the pick is decode's."""
-        keep = sum(1 for d in candidate.depth if d <= self.max_depth)  # nodes are added level by level
-        if keep < len(candidate):
-            from models.tree import Tree
-
-            candidate = Tree(root_q=candidate.root_q, tokens=candidate.tokens[:keep],
-                             parents=candidate.parents[:keep], depth=candidate.depth[:keep],
-                             joint=candidate.joint[:keep], rank=candidate.rank[:keep])
-        return self.select(candidate)
-
-    def replay_cost(self, candidate, picked):
-        """It grows every level it can (one draft call each) whatever it then selects."""
-        return min(self.max_depth, max(candidate.depth, default=1)), len(picked)

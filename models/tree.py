@@ -68,18 +68,20 @@ def run_nodes(draft, dcache, tree: Tree, nodes: list[int], prefix_len: int, temp
         tree.dpos[node] = start + j
 
 
-def grow(draft, dcache, d_pending: list[int], expander, temperature: float = 0.0, top_p: float = 1.0
-         ) -> tuple[Tree, int, int]:
-    """The draft runs on its pending tokens (the root's distribution), then the expander's levels. Returns the tree,
+def grow(draft, dcache, d_pending: list[int], expander, temperature: float = 0.0, top_p: float = 1.0,
+         max_depth: int | None = None) -> tuple[Tree, int, int]:
+    """The draft runs on its pending tokens (the root's distribution), then the expander's levels, at most
+    `max_depth` of them (decode: the tokens left to generate, as a chain stops drafting there). Returns the tree,
     the prefix length (committed tokens, all now in the draft cache) and the number of draft calls."""
     logits, _ = draft(d_pending, dcache, last=1)
     prefix_len, calls = dcache.get_seq_length(), 1
     tree = Tree(root_q=draft_probs(logits[0], temperature, top_p))
     frontier = [-1]
-    for level in range(1, expander.max_depth + 1):
+    depth = expander.max_depth if max_depth is None else min(expander.max_depth, int(max_depth))
+    for level in range(1, depth + 1):
         new = [tree.add(parent, tok, prob, rank) for parent in frontier
                for tok, prob, rank in expander.children(tree, parent, level)]
-        if not new or level == expander.max_depth:
+        if not new or level == depth:
             break
         frontier = expander.expand(tree, new, level)
         if not frontier:

@@ -130,3 +130,56 @@ def test_tree_sampling_first_tokens_match_target_sampling(tiny_cfg):
     table = [[ours[k] for k in keys], [ref[k] for k in keys]]
     table = [[a for a, b in zip(*table) if a + b >= 5], [b for a, b in zip(*table) if a + b >= 5]]
     assert chi2_contingency(table).pvalue > 1e-3
+
+
+def _decode_rounds(pair, builder, texts=("def f(x):", "import os\nclass A:", "hello world"), n=24):
+    from decode.loop import speculative
+
+    out = []
+    for text in texts:
+        res = speculative(pair, pair.tokenizer.encode(text), builder, n)
+        out.append((res.tokens, res.rounds, res.draft_calls))
+    return out
+
+
+@pytest.fixture(scope="module")
+def close_tiny(tiny_cfg):
+    """The tiny target with a 3-of-4-layer draft: confident enough that rounds run several tokens deep."""
+    from omegaconf import OmegaConf
+
+    from models.pair import load_pair
+
+    return load_pair(OmegaConf.merge(tiny_cfg, {"draft": {"layers": [0, 1, 2]}, "forward": "lean"}))
+
+
+def test_sequoia_with_a_chain_shape_is_the_expected_value_chain(close_tiny):
+    """Where the profile makes Sequoia's shape a chain, its level-by-level expected-value cut drafts exactly what
+    `expected_value` (a=1, b=0) drafts: same tokens, same (drafted, accepted) rounds and draft calls (but for the
+    last round, where no token is left to draft: a chain then skips its draft call, a tree round still makes it)."""
+    from decode.policies import ExpectedValue
+    from decode.tree_builders import Sequoia
+
+    prof = _Profile(slope=0.004, c=0.002)
+    seq = Sequoia(rank_probs=[0.9, 0.001], max_nodes=8, max_depth=6, spine_depth=12, profile=prof)
+    assert all(r == 1 for r in seq.shape.ranks)
+    ev = ExpectedValue(score="max_q", a=1.0, b=0.0, max_len=12, profile=prof)
+    ours, theirs = _decode_rounds(close_tiny, seq), _decode_rounds(close_tiny, ev)
+    assert [(t, r) for t, r, _ in ours] == [(t, r) for t, r, _ in theirs]
+    assert all(c - d in (0, 1) for (_, _, c), (_, _, d) in zip(ours, theirs))
+    assert max(k for _, rounds, _ in ours for k, _ in rounds) > 2  # rounds deeper than the cut's first level
+
+
+def test_dear_draft_calls_cut_the_trees_levels(close_tiny):
+    """A level is drafted only while it pays on the profile: with a dear draft call eagle2 and sequoia draft fewer
+    levels per round than with a cheap one (and sequoia's spine past its shape is used when calls are cheap)."""
+    from decode.tree_builders import Eagle2, Sequoia
+
+    def calls_per_round(builder):
+        runs = _decode_rounds(close_tiny, builder)
+        return sum(c for _, _, c in runs) / sum(len(r) for _, r, _ in runs)
+
+    for make in (lambda p: Eagle2(topk=3, max_depth=5, max_nodes=12, profile=p),
+                 lambda p: Sequoia(rank_probs=[0.5, 0.3, 0.2], max_nodes=8, max_depth=3, spine_depth=6, profile=p)):
+        cheap, dear = calls_per_round(make(_Profile(c=0.001))), calls_per_round(make(_Profile(c=0.6)))
+        assert dear < cheap
+        assert dear >= 1.0
