@@ -9,6 +9,7 @@ Traces keep raw statistics (q(x), p(x), TVD, tokens), so a τ sweep or a new sch
 | ratio | 1[q(x)/p(x) ≤ τ] (τ = 1 ⇔ p ≥ q; larger τ accepts more) | SPRINTER |
 | accept_prob | soft min(1, p(x)/q(x)) | SpecDec++ |
 | sum_min | soft Σ_v min(p_v, q_v) (= 1 − TVD: the exact sampler's acceptance rate at that position) | DISCO, Leviathan α |
+| on_path | 1[a candidate-tree node's root path is the target's greedy continuation] (tree traces, node heads) | C2T |
 
 Row weights (`make_weights`, the loss's per-row weight): `reach_weight` w ∈ [0, 1] down-weights rows a decoder
 would not reach because an earlier token of the same draft round was rejected — weight = R + (1 − R)·w, R = Π of
@@ -32,8 +33,10 @@ SCHEMES = {
     "ratio": ("q_draft", "p_draft"),
     "accept_prob": ("q_draft", "p_draft"),
     "sum_min": ("tvd",),
+    "on_path": ("on_path",),
 }
 SOFT = {"tvd", "accept_prob", "sum_min"}
+NODE_SCHEMES = {"on_path"}  # label token-tree nodes (trace=tree), not chain drafting steps: no reach weighting
 
 
 def required_columns(cfg: DictConfig) -> tuple[str, ...]:
@@ -53,11 +56,17 @@ def make_labels(columns: dict, cfg: DictConfig) -> np.ndarray:
     names = columns.column_names if hasattr(columns, "column_names") else list(columns)
     missing = [c for c in needed if c not in names]
     if missing:
+        if cfg.name in NODE_SCHEMES:
+            raise UserError(f"label scheme '{cfg.name}' labels token-tree nodes and these traces lack column(s) {missing}: "
+                            "use tree traces (trace=tree) with a node head (model=c2t or model=tree_node)")
+        hint = " (these are token-tree traces: use labels=on_path)" if "on_path" in names else ""
         raise UserError(
-            f"label scheme '{cfg.name}' needs trace column(s) {missing} that these traces lack; "
+            f"label scheme '{cfg.name}' needs trace column(s) {missing} that these traces lack{hint}; "
             "regenerate them with this code's data_gen or pick another labels="
         )
     col = {c: np.asarray(columns[c]) for c in needed}
+    if cfg.name == "on_path":
+        return col["on_path"].astype(np.float32)
     if cfg.name == "greedy_match":
         return (col["draft_token"] == col["target_token"]).astype(np.float32)
     if cfg.name == "sum_min":
@@ -78,6 +87,8 @@ def reach_weight(cfg: DictConfig) -> float:
     w = 1.0 if w is None else float(w)
     if not 0.0 <= w <= 1.0:
         raise UserError(f"labels.reach_weight must be in [0, 1] (1 = every row alike, 0 = reachable rows only), got {w}")
+    if w < 1.0 and cfg.name in NODE_SCHEMES:
+        raise UserError(f"labels.reach_weight weights chain rounds; {cfg.name} labels tree nodes: leave it at 1")
     if str(cfg.get("reach", "hard")) not in ("hard", "soft"):
         raise UserError(f"labels.reach must be hard or soft, got '{cfg.get('reach')}'")
     return w

@@ -248,44 +248,33 @@ def trace_batch(pair, items: list[Item], trace_cfg) -> list[dict[str, np.ndarray
 
 def tree_rows(draft, prefix: list[int], y: list[int], expander, stride: int, k: int) -> dict[str, np.ndarray]:
     """One prompt's tree rows: the draft walks along y with one cache; at positions t = 0, stride, 2·stride, ... its
-    pending tokens are y up to t, it grows a candidate tree there and the tree's cache entries are dropped. The DISCO
-    features of the distribution each node was drawn from come from models.features' extractor (DraftStep), the
-    one decode's policies read. `on_path`: the node's root path is y[t : t + depth] (greedy verification accepts it)."""
-    from models.features import DraftStep
-    from models.tree import grow
+    pending tokens are y up to t, it grows a candidate tree there and the tree's cache entries are dropped. A node's
+    columns (structure, q_token, joint, the DISCO features of the distribution it was drawn from) are
+    models.tree.node_columns', the function decode's node heads read too. `on_path`: the node's root path is
+    y[t : t + depth] (greedy verification accepts it)."""
+    from models.tree import grow, node_columns
 
-    cols: dict[str, list] = {name: [] for name in ("position", *TREE_COLUMNS, "draft_topk")}
+    stored = ("node", "parent", "depth", "rank", "token", "q_token", "joint", "draft_entropy")
+    parts: list[dict] = []
     dcache, last = draft.new_cache(), 0
     for t in range(0, len(y), stride):
         pending = list(prefix) if t == 0 else y[last:t]  # the cache holds prefix + y[:last]
         tree, prefix_len, _ = grow(draft, dcache, pending, expander)
         draft.keep(dcache, list(range(prefix_len)))
         last = t
-        feats: dict[int, tuple] = {}
+        cols = node_columns(tree, list(range(len(tree))), k, draft.support)
         on: list[bool] = []
-        for i, (par, tok, d) in enumerate(zip(tree.parents, tree.tokens, tree.depth)):
-            if par not in feats:
-                step = DraftStep(probs=tree.dist(par), token=tok, hidden=None, position_in_round=d - 1, position=t,
-                                 support=draft.support)
-                feats[par] = (step.topk(k).float().cpu().numpy(), float(step.entropy))
+        for par, tok, d in zip(tree.parents, tree.tokens, tree.depth):
             on.append((par < 0 or on[par]) and t + d - 1 < len(y) and tok == y[t + d - 1])
-            cols["position"].append(t)
-            cols["node"].append(i)
-            cols["parent"].append(par)
-            cols["depth"].append(d)
-            cols["rank"].append(tree.rank[i])
-            cols["token"].append(tok)
-            cols["q_token"].append(float(tree.dist(par)[tok]))
-            cols["joint"].append(tree.joint[i])
-            cols["draft_topk"].append(feats[par][0])
-            cols["draft_entropy"].append(feats[par][1])
-            cols["on_path"].append(on[-1])
-            cols["length"].append(len(y))
-    ints = {"position", "node", "parent", "depth", "rank", "token", "length"}
-    out = {name: np.asarray(v, dtype=np.int32 if name in ints else bool if name == "on_path" else np.float32)
-           for name, v in cols.items() if name != "draft_topk"}
-    out["draft_topk"] = np.stack(cols["draft_topk"]) if cols["draft_topk"] else np.zeros((0, k), np.float32)
-    return out
+        n = len(tree)
+        parts.append({"position": np.full(n, t, np.int32), **{c: cols[c] for c in stored},
+                      "on_path": np.asarray(on, dtype=bool), "length": np.full(n, len(y), np.int32),
+                      "draft_topk": cols["draft_topk"]})
+    empty = {"draft_topk": np.zeros((0, k), np.float32), "on_path": np.zeros(0, bool), "q_token": np.zeros(0, np.float32),
+             "joint": np.zeros(0, np.float32), "draft_entropy": np.zeros(0, np.float32)}
+    names = ("position", *TREE_COLUMNS, "draft_topk")
+    return {name: np.concatenate([p[name] for p in parts]) if parts else empty.get(name, np.zeros(0, np.int32))
+            for name in names}
 
 
 @torch.no_grad()

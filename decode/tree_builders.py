@@ -333,32 +333,115 @@ class Eagle2(GrownTree):
         kids = sorted((r, i) for i, (p, r) in enumerate(zip(candidate.parents, candidate.rank))
                       if p == cparent and r <= self.topk)
         self._replay_missing += self.topk - len(kids)
+        if candidate.score and len(tree.score) == len(tree):  # a learned builder's replay: the trace's head scores
+            tree.score.extend(candidate.score[i] for _, i in kids)
         return [i for _, i in kids]
 
-    def _order(self, tree) -> list[int]:
-        # joint ≤ its parent's joint (ties: the shallower first), so every prefix of this order is ancestor-closed
-        return sorted(range(len(tree)), key=lambda i: (-tree.joint[i], tree.depth[i], i))[: self.max_nodes]
+    def acceptance(self, tree) -> list[float]:
+        """Each node's estimated chance to be on the accepted path: EAGLE-2's joint draft probability. It never
+        exceeds the parent's, so every prefix of the nodes in decreasing order is ancestor-closed."""
+        return tree.joint
 
-    def _best(self, tree, levels: int) -> tuple[float, int]:
-        """(expected tokens, N) of the best selection: the N best joints with the most tokens per unit time."""
+    def _order(self, acc: list[float], tree) -> list[int]:
+        return sorted(range(len(tree)), key=lambda i: (-acc[i], tree.depth[i], i))[: self.max_nodes]
+
+    def _best(self, acc: list[float], tree, levels: int) -> tuple[float, int]:
+        """(expected tokens, N) of the best selection: the N most likely nodes with the most tokens per unit time."""
         best, best_e, best_n, gain = 1.0 / self.round_cost(levels, 0), 1.0, 0, 0.0
-        for n, node in enumerate(self._order(tree), 1):
-            gain += tree.joint[node]
+        for n, node in enumerate(self._order(acc, tree), 1):
+            gain += acc[node]
             value = (1 + gain) / self.round_cost(levels, n)
             if value > best:
                 best, best_e, best_n = value, 1 + gain, n
         return best_e, best_n
 
+    def prune(self, acc: list[float], nodes: list[int]) -> list[int]:
+        """Nodes of the expansion that may grow (all, here; C2T drops those its classifier scores low)."""
+        return nodes
+
     def expand(self, tree, new, level):
-        top = sorted(new, key=lambda i: -tree.joint[i])[: self.topk]  # EAGLE-2's expansion
-        expected, n = self._best(tree, level)
-        offers = [(tree.joint[i] * own_prob(tree, i), 1) for i in top]
-        return top[: self.best_prefix(expected, level, n, offers)]
+        acc = self.acceptance(tree)
+        # EAGLE-2's expansion — the top-k new nodes by joint, as tree traces record it (so the replay holds every
+        # node any of these builders grows) — then the most likely first
+        top = self.prune(acc, sorted(new, key=lambda i: -tree.joint[i])[: self.topk])
+        top.sort(key=lambda i: -acc[i])
+        expected, n = self._best(acc, tree, level)
+
+        def offer(i):  # the rank-1 child's chance: the node's, times its own chance given its parent (the chain's)
+            par = tree.parents[i]
+            cond = acc[i] if par < 0 else (acc[i] / acc[par] if acc[par] > 0 else 0.0)
+            return acc[i] * cond, 1
+
+        return top[: self.best_prefix(expected, level, n, [offer(i) for i in top])]
 
     def select(self, tree):
-        """The best N by joint, costed with the levels the round drafted (every level paid a draft call)."""
-        _, n = self._best(tree, max(tree.depth, default=1))
-        return self._order(tree)[:n]
+        """The best N by acceptance, costed with the levels the round drafted (every level paid a draft call)."""
+        acc = self.acceptance(tree)
+        _, n = self._best(acc, tree, max(tree.depth, default=1))
+        return self._order(acc, tree)[:n]
 
     def describe(self):
         return {**super().describe(), "topk": self.topk, "max_nodes": self.max_nodes}
+
+
+class LearnedTree(Eagle2):
+    """This project's learned tree builder (`learned_tree:CKPT`): EAGLE-2's growth with a trained node head's
+    P(node on the accepted path) in place of the joint probability — the head (`python -m train
+    +experiment=tree_mbpp`) reads the DISCO features of the node's parent distribution, its own probability, rank,
+    depth and joint — under the expected-value rule: a level is drafted while its offers pay for the draft call, and
+    the N nodes verified are those that maximise expected tokens per unit time on the measured profile (`Eagle2`).
+    A node's estimate is capped by its parent's (a node cannot be accepted without its parent), so selections stay
+    ancestor-closed."""
+
+    name = "learned_tree"
+    learned = True
+
+    def __init__(self, bundle=None, topk: int = 4, max_depth: int = 6, max_nodes: int = 32, profile=None):
+        super().__init__(topk, max_depth, max_nodes, profile)
+        from models.features import feature_kind
+
+        kind = feature_kind(bundle.spec.kind) if bundle is not None else None
+        if kind is None or not getattr(kind, "tree", False):
+            got = "none" if bundle is None else f"a '{bundle.spec.kind}' head"
+            raise UserError(f"{self.name} needs a node head (python -m train +experiment=tree_mbpp or c2t_mbpp), got "
+                            f"{got}; chain heads go with learned:CKPT")
+        self.bundle, self.kind = bundle, kind
+
+    def acceptance(self, tree):
+        if len(tree.score) < len(tree):  # decode: score the nodes added since (their parents' distributions are known)
+            new = list(range(len(tree.score), len(tree)))
+            x = self.kind.node_rows(tree, new, self.bundle.spec)
+            tree.score.extend(self.bundle.prob(x).reshape(-1).tolist())
+        acc = []
+        for i, p in enumerate(tree.score[: len(tree)]):
+            par = tree.parents[i]
+            acc.append(min(float(p), acc[par]) if par >= 0 else float(p))
+        return acc
+
+    def describe(self):
+        return {**super().describe(), "head": self.bundle.path, "head_kind": self.bundle.spec.kind}
+
+
+class C2T(LearnedTree):
+    """C2T (Huo et al. 2025, arXiv 2502.13652): a 2-layer classifier on the node's joint probability, its parent
+    distribution's entropy and its depth (`python -m train +experiment=c2t_mbpp`) scores each new node, and nodes
+    scoring below `threshold` are pruned (with everything under them) from EAGLE-2's expansion before the next level
+    and from the verified tree. `threshold`: null takes the checkpoint's (chosen on validation). Its depth, like
+    eagle2's, is cut on the measured profile (a level is drafted while it pays for the draft call)."""
+
+    name = "c2t"
+
+    def __init__(self, bundle=None, threshold: float | None = None, topk: int = 4, max_depth: int = 6,
+                 max_nodes: int = 32, profile=None):
+        super().__init__(bundle, topk, max_depth, max_nodes, profile)
+        self.threshold = float(bundle.threshold if threshold is None else threshold)
+
+    def prune(self, acc, nodes):
+        return [i for i in nodes if acc[i] >= self.threshold]
+
+    def select(self, tree):
+        acc = self.acceptance(tree)
+        return self._order(acc, tree)[: sum(1 for a in acc if a >= self.threshold)]
+
+    def describe(self):
+        return {**super().describe(), "threshold": self.threshold}

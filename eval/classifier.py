@@ -6,6 +6,11 @@ through the run's saved Hydra config, or `traces=DIR`): AUROC, AP, F1/precision/
 threshold and at the best-F1 threshold (eval.metrics), ECE (torchmetrics BinaryCalibrationError, 15 equal-width
 bins) with a reliability diagram, AUROC per bucket of position in the draft round and in the continuation, the best
 static speculation length's F1 (DISCO App. D), and for a SPRINTER head the Theorem 1/2 predictions (eval.theory).
+
+A token-tree node head (c2t, tree_node: its feature kind has `tree`) is evaluated the same way on the nodes of a
+`trace=tree` folder (labels on_path), with what differs taken from its feature kind: the training-free baselines are
+the joint probability and q_token (`FeatureKind.baselines`), the position buckets are by depth − 1 (the node's place on
+its drafted path, `FeatureKind.positions`), and the chain-only static-length F1 is left out (None).
 """
 
 from __future__ import annotations
@@ -115,7 +120,7 @@ def evaluate(bundle, ds, manifest: dict, folder: Path) -> dict:
     """Every item-1 number (and item 3 for SPRINTER heads) for one checkpoint on one loaded trace split."""
     from data_gen.labels import make_labels
     from eval.metrics import best_f1_threshold, classification_metrics, roc_pr_points, static_length_f1
-    from models.features import continuation_starts, features_from_columns, trace_round_positions
+    from models.features import continuation_starts, features_from_columns
     from models.heads import head_family
     from data_gen.contract import trace_columns
 
@@ -128,8 +133,11 @@ def evaluate(bundle, ds, manifest: dict, folder: Path) -> dict:
 
     from models.features import needed_columns
 
-    want = [c for c in dict.fromkeys(COLUMNS + tuple(required_columns(labels_cfg)) + needed_columns(bundle.spec))
-            if c in names]
+    from eval.metrics import baseline_columns
+
+    kind = bundle.spec.family
+    want = [c for c in dict.fromkeys(COLUMNS + tuple(required_columns(labels_cfg)) + needed_columns(bundle.spec)
+                                     + tuple(kind.position_columns) + baseline_columns(kind.baselines)) if c in names]
     if not bundle.spec.reads_hidden and "draft_hidden" in want:
         want.remove("draft_hidden")
     cols = trace_columns(ds, want)
@@ -138,12 +146,12 @@ def evaluate(bundle, ds, manifest: dict, folder: Path) -> dict:
     scores = torch.cat([bundle.prob(chunk) for chunk in torch.split(x, 65536)]).cpu().numpy().astype(np.float64)
     if not np.isfinite(scores).all():
         raise UserError(f"checkpoint {bundle.path} produced non-finite scores on {folder}; the head is broken, retrain it")
-    round_pos = np.asarray(trace_round_positions(cols))
+    round_pos = np.asarray(kind.positions(cols))  # chain: position in the draft round; tree node: depth − 1
     cont_pos = np.asarray(cols["position"]).astype(np.int64)
     at_ckpt = classification_metrics(scores, y, bundle.threshold)
     best_thr, _ = best_f1_threshold(scores, y)
     at_best = classification_metrics(scores, y, best_thr)
-    static = static_length_f1(y, round_pos)
+    static = {"f1_static_best": None, "k_best": None} if kind.tree else static_length_f1(y, round_pos)
     calib = calibration(scores, y)
     report = {
         "ckpt": str(bundle.path),
@@ -173,10 +181,12 @@ def evaluate(bundle, ds, manifest: dict, folder: Path) -> dict:
         "f1_static_best": static["f1_static_best"],
         "k_static_best": static["k_best"],
         "curves": roc_pr_points(scores, y),
-        "baseline_auroc": baseline_auroc(cols, y),
-        "baseline_curves": {k: roc_pr_points(v, y) for k, v in baseline_scores(cols).items()},
+        "position_axis": "depth − 1 (position on the drafted path)" if kind.tree else "position in the draft round",
+        "baseline_auroc": baseline_auroc(cols, y, kind.baselines),
+        "baseline_curves": {k: roc_pr_points(v, y) for k, v in baseline_scores(cols, kind.baselines).items()},
     }
-    if head_family(bundle.kind, getattr(bundle, "arch", None)).verifier and all(c in cols for c in ("q_draft", "p_draft", "tvd")):
+    verifier = head_family(bundle.kind, getattr(bundle, "arch", None)).verifier
+    if not kind.tree and verifier and all(c in cols for c in ("q_draft", "p_draft", "tvd")):
         trace_cfg = (manifest.get("config") or {}).get("trace") or {}
         sampled = str(trace_cfg.get("kind")) == "interleaved" or float(trace_cfg.get("temperature", 0) or 0) > 0
         report["sprinter_theory"] = sprinter_report(cols, scores, bundle.threshold, continuation_starts(cols), sampled)
@@ -210,22 +220,27 @@ def markdown(reports: list[dict], names: list[str]) -> str:
     lines = ["# Stop-head evaluation", "", head, "|" + "---|" * (head.count("|") - 1)]
     for n, r in zip(names, reports):
         lab = r["labels"].get("name", "?") + (f" τ={r['labels']['tau']}" if "tau" in r["labels"] else "")
+        # – for node heads: a static speculation length is a chain baseline
+        static = "–" if r["k_static_best"] is None else f"{_fmt(r['f1_static_best'])} ({r['k_static_best']})"
         lines.append(
             f"| {n} | {lab} | {r['rows']} | {r['positive_rate']:.3f} | {_fmt(r['auroc'])} | {_fmt(r['ap'])} | "
             f"{r['threshold']:.3f} | {_fmt(r['f1'])} | {_fmt(r['precision'])} | {_fmt(r['recall'])} | "
-            f"{r['best_f1_threshold']:.3f} | {_fmt(r['best_f1'])} | {_fmt(r['ece'])} | {_fmt(r['f1_static_best'])} ({r['k_static_best']}) |"
+            f"{r['best_f1_threshold']:.3f} | {_fmt(r['best_f1'])} | {_fmt(r['ece'])} | {static} |"
         )
     buckets = list(dict.fromkeys(b for r in reports for b in r["per_position_auroc"]))
-    lines += ["", "AUROC by position in the draft round:", "", "| checkpoint | " + " | ".join(buckets) + " |",
+    axes = " / ".join(dict.fromkeys(r.get("position_axis", "position in the draft round") for r in reports))
+    lines += ["", f"AUROC by {axes}:", "", "| checkpoint | " + " | ".join(buckets) + " |",
               "|---|" + "---|" * len(buckets)]
     for n, r in zip(names, reports):
         lines.append(f"| {n} | " + " | ".join(_fmt(r["per_position_auroc"].get(b)) for b in buckets) + " |")
-    if any(r.get("baseline_auroc") for r in reports):
-        lines += ["", "Training-free scores on the same rows (AUROC): max q = max-confidence, −H_q = SVIP / AdaEDL:", "",
-                  "| checkpoint | head | max q | −H_q |", "|---|---|---|---|"]
+    base = list(dict.fromkeys(k for r in reports for k in (r.get("baseline_auroc") or {})))
+    if base:  # the kinds' own training-free scores (eval.metrics.BASELINES): max q / −H_q for chain heads, joint / q_token for nodes
+        lines += ["", "Training-free scores on the same rows (AUROC; max q = max-confidence, −H_q = SVIP / AdaEDL, "
+                  "joint probability = EAGLE-2's node score):", "",
+                  "| checkpoint | head | " + " | ".join(BASELINE_LABELS[k] for k in base) + " |", "|---|---|" + "---|" * len(base)]
         for n, r in zip(names, reports):
             b = r.get("baseline_auroc") or {}
-            lines.append(f"| {n} | {_fmt(r['auroc'])} | {_fmt(b.get('max_q'))} | {_fmt(b.get('neg_entropy'))} |")
+            lines.append(f"| {n} | {_fmt(r['auroc'])} | " + " | ".join(_fmt(b.get(k)) for k in base) + " |")
     for n, r in zip(names, reports):
         conf = r["confusion"]
         lines.append(f"\n{n}: confusion at thr {r['threshold']:.3f}: tp {conf['tp']} fp {conf['fp']} tn {conf['tn']} fn {conf['fn']}; traces {r['traces']}")
@@ -264,7 +279,9 @@ def write_plots(reports: list[dict], names: list[str], out: Path) -> list[Path]:
         plots.roc(roc, out / "roc.png"),
         plots.pr(pr, out / "pr.png", base_rate=base),
         plots.reliability(rel, out / "reliability.png"),
-        plots.per_position(pos, out / "per_position_auroc.png"),
+        plots.per_position(pos, out / "per_position_auroc.png",
+                           **({"xlabel": "depth − 1 (position on the drafted path)"} if all(
+                               r.get("position_axis", "").startswith("depth") for r in reports) else {})),
         plots.per_position(cont, out / "per_continuation_position_auroc.png", xlabel="position in continuation"),
     ]
 

@@ -124,21 +124,31 @@ def expected_calibration_error(scores, labels, n_bins: int = 15) -> float:
     return float(ece(torch.as_tensor(s, dtype=torch.float32), torch.as_tensor(binarize(labels))))
 
 
-BASELINE_LABELS = {"max_q": "max q", "neg_entropy": "−H_q"}  # the training-free scores every head is compared with
+# The training-free scores a head is compared with, on the same rows: name → (label, the trace columns it reads, its
+# score from them). Which apply is the head's feature kind's business (models.features.FeatureKind.baselines): chain
+# kinds max q (max-confidence's) and −H_q (SVIP's and AdaEDL's: both stop on a monotone function of the entropy);
+# token-tree node kinds the node's joint probability (what EAGLE-2 ranks nodes by) and its own q_token.
+BASELINES = {
+    "max_q": ("max q", ("draft_topk",), lambda c: np.asarray(c["draft_topk"], dtype=np.float64)[:, 0]),
+    "neg_entropy": ("−H_q", ("draft_entropy",), lambda c: -np.asarray(c["draft_entropy"], dtype=np.float64)),
+    "joint": ("joint probability", ("joint",), lambda c: np.asarray(c["joint"], dtype=np.float64)),
+    "q_token": ("q(token)", ("q_token",), lambda c: np.asarray(c["q_token"], dtype=np.float64)),
+}
+BASELINE_LABELS = {name: label for name, (label, _, _) in BASELINES.items()}
+CHAIN_BASELINES = ("max_q", "neg_entropy")
 
 
-def baseline_scores(cols: dict) -> dict:
-    """The training-free policies' scores per row: max q (max-confidence's) and −H_q (SVIP's and AdaEDL's: both
-    stop on a monotone function of the entropy). `cols`: the trace columns `draft_topk` (sorted) and
-    `draft_entropy`, or the same values read off a DISCO feature vector (train's test rows)."""
-    out = {}
-    if "draft_topk" in cols:
-        out["max_q"] = np.asarray(cols["draft_topk"], dtype=np.float64)[:, 0]
-    if "draft_entropy" in cols:
-        out["neg_entropy"] = -np.asarray(cols["draft_entropy"], dtype=np.float64)
-    return out
+def baseline_columns(names=CHAIN_BASELINES) -> tuple[str, ...]:
+    """The trace columns the named baselines read."""
+    return tuple(dict.fromkeys(c for n in names for c in BASELINES[n][1]))
 
 
-def baseline_auroc(cols: dict, labels) -> dict:
+def baseline_scores(cols: dict, names=CHAIN_BASELINES) -> dict:
+    """The named training-free scores per row (`BASELINES`), those whose trace columns `cols` holds (a dict of
+    arrays: trace columns, or train's test rows' copies of them)."""
+    return {n: BASELINES[n][2](cols) for n in names if all(c in cols for c in BASELINES[n][1])}
+
+
+def baseline_auroc(cols: dict, labels, names=CHAIN_BASELINES) -> dict:
     """AUROC of the training-free scores on the same rows and labels: what a head must beat."""
-    return {k: classification_metrics(s, labels, 0.5)["auroc"] for k, s in baseline_scores(cols).items()}
+    return {k: classification_metrics(s, labels, 0.5)["auroc"] for k, s in baseline_scores(cols, names).items()}

@@ -42,12 +42,14 @@ METRICS = ("tau", "nodes", "levels", "speedup")
 
 @dataclass
 class Candidates:
-    """One prompt's recorded trees: `trees[t]` and `on_path[t]` at every position t of its continuation of length n."""
+    """One prompt's recorded trees: `trees[t]` and `on_path[t]` at every position t of its continuation of length n;
+    `rows[t]`: the trace rows of tree t's nodes (where a learned builder's head scores are read)."""
 
     prompt_id: str
     n: int
     trees: list[Tree]
     on_path: list[np.ndarray]
+    rows: list[np.ndarray]
 
 
 def check_trace(manifest: dict, folder) -> dict:
@@ -74,6 +76,7 @@ def candidates_from_columns(cols: dict, prompts: int | None = None) -> list[Cand
         n = int(cols["length"][idx[0]])
         trees: list[Tree | None] = [None] * n
         on: list[np.ndarray | None] = [None] * n
+        rows: list[np.ndarray | None] = [None] * n
         pos = cols["position"][idx]
         for t in range(n):
             sel = idx[pos == t]
@@ -83,7 +86,8 @@ def candidates_from_columns(cols: dict, prompts: int | None = None) -> list[Cand
                             depth=cols["depth"][sel].tolist(), joint=cols["joint"][sel].astype(float).tolist(),
                             rank=cols["rank"][sel].tolist())
             on[t] = cols["on_path"][sel].astype(bool)
-        out.append(Candidates(str(pid), n, trees, on))
+            rows[t] = sel
+        out.append(Candidates(str(pid), n, trees, on, rows))
     return out
 
 
@@ -143,7 +147,8 @@ def builders(cfg: DictConfig, tree: dict, profile) -> tuple[dict, dict]:
     out, notes = {}, {}
     for m in methods_from_cfg(cfg):
         if not m.policy_class.tree:
-            raise UserError(f"{m.key} is not a token-tree builder; list tree builders (tree_static, sequoia, eagle2) "
+            raise UserError(f"{m.key} is not a token-tree builder; list tree builders (tree_static, sequoia, eagle2, "
+                            "c2t:CKPT, learned_tree:CKPT) "
                             "or replay chain policies with python -m eval.replay")
         b = build_policy(m.spec, m.params, profile=profile, target=m.target)
         if hasattr(b, "topk") and int(b.topk) != int(tree.get("topk", 4)):
@@ -154,6 +159,35 @@ def builders(cfg: DictConfig, tree: dict, profile) -> tuple[dict, dict]:
             b.max_depth = b.max_len = int(tree["depth"])
         out[m.key] = b
     return out, notes
+
+
+def head_scores(builder, ds, manifest: dict, folder) -> np.ndarray | None:
+    """A learned builder's head P(on path) for every trace row (None for the others): the head reads the rows'
+    stored node columns, the ones decode computes from its tree (models.tree.node_columns)."""
+    bundle = getattr(builder, "bundle", None)
+    if bundle is None:
+        return None
+    from data_gen.contract import trace_columns
+
+    if bundle.pair_id != manifest.get("pair_id"):
+        raise UserError(f"{builder.name}'s head ({bundle.path}) was trained on pair {bundle.pair_id} but {folder} "
+                        f"holds traces of {manifest.get('pair_id')}; replay it on its own pair's traces")
+    kind = builder.kind
+    x = kind.from_columns(trace_columns(ds, list(kind.columns(bundle.spec))), bundle.spec)
+    return bundle.prob(x).reshape(-1).double().cpu().numpy()
+
+
+def replay(builder, cands: list[Candidates], profile, scores: np.ndarray | None, desc: str) -> list[dict]:
+    """replay_prompt over the prompts; a learned builder's trees carry its head's scores while it runs."""
+    out = []
+    for c in tqdm(cands, desc=desc, leave=False):
+        for tree, rows in zip(c.trees, c.rows):
+            tree.score = [] if scores is None else scores[rows].tolist()
+        out.append(replay_prompt(builder, c, profile))
+    for c in cands:
+        for tree in c.trees:
+            tree.score = []
+    return out
 
 
 def summarize(per: dict[str, list[dict]], resamples: int) -> dict:
@@ -229,7 +263,7 @@ def run(cfg: DictConfig) -> dict:
     cands = candidates_from_columns(trace_columns(ds, COLUMNS), int(cfg.prompts) if cfg.get("prompts") else None)
     built, notes = builders(cfg, tree, profile)
     built.update(chains(int(tree.get("depth", 5)), profile))
-    per = {k: [replay_prompt(b, c, profile) for c in tqdm(cands, desc=f"tree_replay {k}", leave=False)]
+    per = {k: replay(b, cands, profile, head_scores(b, ds, manifest, folder), f"tree_replay {k}")
            for k, b in built.items()}
     res = {"settings": {"traces": str(folder), "pair": manifest.get("pair_id"), "prompts": len(cands), "tree": tree,
                         "c": profile.cost_ratio, "cost_profile": profile.to_dict(),

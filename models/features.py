@@ -12,9 +12,14 @@ For a drafted position with draft logits z (and last hidden state h):
   position — `token_classes`), `hidden` (h). Trace loading computes them from stored columns
   (`features_from_columns`), decode from the loop's state (`PlusFeatures`); a test checks both give the same rows.
 
-Each kind is a `FeatureKind` class (`DiscoFeatures`, `HiddenFeatures`, `DiscoPlusFeatures`) that declares its columns,
-the trace columns it is built from and what decode must compute for it. The distribution math these rest on (softmax,
-top-k, entropy, TVD) is models.distributions.
+Token-tree node kinds (issue 30; `NodeFeatures`, `tree = True`): one row per candidate-tree node, labelled on_path —
+`c2t` (C2T, arXiv 2502.13652: joint probability, entropy of the parent's distribution, depth) and `tree_node` (those,
+the DISCO inputs of the parent distribution, the node's q_token and rank, log joint, the parent's own q_token). Both
+read models.tree.node_columns, from tree-trace columns (`from_columns`) or from a models.tree.Tree (`node_rows`).
+
+Each kind is a `FeatureKind` class (`DiscoFeatures`, `HiddenFeatures`, `DiscoPlusFeatures`, `C2TFeatures`,
+`TreeNodeFeatures`) that declares its columns, the trace columns it is built from and what decode must compute for it.
+The distribution math these rest on (softmax, top-k, entropy, TVD) is models.distributions.
 """
 
 from __future__ import annotations
@@ -553,6 +558,12 @@ class FeatureKind:
     name = ""
     reads_probs = False  # the DISCO part (top-k q, H_q): decode computes q, traces store draft_topk / draft_entropy
     grouped = False  # takes optional column groups (`FeatureSpec.groups`, train's model.groups)
+    # scores token-tree nodes (`NodeFeatures`: tree traces, decode's tree builders) rather than chain drafting steps:
+    # no round decoder, no chain speed rule or static-length baseline
+    tree = False
+    # the training-free scores its heads are compared with (eval.metrics.BASELINES names), on the same rows
+    baselines = ("max_q", "neg_entropy")
+    position_columns = ROUND_COLUMNS  # the trace columns `positions` reads
 
     def names(self, spec: FeatureSpec) -> list[str]:
         """Column names of the head input, in order."""
@@ -569,6 +580,11 @@ class FeatureKind:
     def decoder(self, spec: FeatureSpec, device=None):
         """The decode-time row builder: `reset()` per prompt, `row(step)` per drafted token (`from_columns`' row)."""
         raise NotImplementedError
+
+    def positions(self, columns: dict):
+        """Per row, its 0-based position in what the decoder drafts in one go (per-position metrics buckets; chain
+        kinds: the position in the draft round, `trace_round_positions`)."""
+        return trace_round_positions(columns)
 
     def reads_hidden(self, spec: FeatureSpec) -> bool:
         return False
@@ -687,6 +703,148 @@ class DiscoPlusFeatures(DiscoFeatures):
 
     def needs_verify(self, spec):
         return "verify" in spec.groups
+
+
+# ------------------------------------------------------------------------------------- token-tree node kinds
+
+
+def parent_q_column(columns: dict):
+    """Per tree-trace row, its parent node's own q_token (1.0 for the root's children), read off the parent's row.
+
+    data_gen writes a tree's nodes as consecutive rows in node order (node i is row start + i), so the parent's row is
+    row − node + parent; a reordered table (checked) falls back to a lookup by (prompt_id, position, node)."""
+    import numpy as np
+
+    node = _np(columns["node"]).astype(np.int64)
+    parent = _np(columns["parent"]).astype(np.int64)
+    q = _np(columns["q_token"]).astype(np.float32)
+    keys = [_np(columns[c]) for c in ("prompt_id", "position") if c in columns]
+    n, has = len(node), parent >= 0
+    rows = np.where(has, np.arange(n) - node + parent, np.arange(n))  # a root child points at itself (unused)
+    good = (rows >= 0) & (rows < n)
+    if good.all():
+        good = node[rows] == np.where(has, parent, node)
+        for key in keys:
+            good &= key[rows] == key
+    if not good.all():
+        where = {(*(key[i] for key in keys), int(node[i])): i for i in range(n)}
+        rows = np.array([where.get((*(key[i] for key in keys), int(parent[i])), -1) if has[i] else i for i in range(n)],
+                        dtype=np.int64)
+        if (rows < 0).any():
+            raise ValueError("tree trace rows name a parent node missing from the table; load whole trees")
+    out = np.ones(len(node), dtype=np.float32)
+    out[has] = q[rows[has]]
+    return out
+
+
+class NodeFeatures(FeatureKind):
+    """A token-tree node kind: one row per candidate-tree node, from `tree` traces (`from_columns`) or from a
+    models.tree.Tree at decode (`node_rows`); both go through `_matrix` on the same per-node columns
+    (models.tree.node_columns), so the rows are equal. `parts` lists the row's values in order ("topk": the parent
+    distribution's sorted top-k, k values; the others one value each, `NODE_VALUES`). The label is `on_path`, the
+    training-free baselines the joint probability and q_token (the scores EAGLE-2 and a greedy tree rank nodes by)."""
+
+    tree = True
+    baselines = ("joint", "q_token")
+    position_columns = ("depth",)
+    parts: tuple = ()
+
+    def names(self, spec):
+        out = []
+        for part in self.parts:
+            out += [f"top{i + 1}" for i in range(spec.k)] if part == "topk" else [part]
+        return out
+
+    def columns(self, spec):
+        cols = []
+        for part in self.parts:
+            cols += NODE_SOURCES[part]
+        return tuple(dict.fromkeys(cols))
+
+    def _matrix(self, cols: dict, spec: FeatureSpec) -> torch.Tensor:
+        import numpy as np
+
+        blocks = []
+        for part in self.parts:
+            if part == "topk":
+                topk = np.asarray(cols["draft_topk"], dtype=np.float32)
+                if topk.ndim != 2 or topk.shape[1] < spec.k:
+                    raise ValueError(f"draft_topk has shape {tuple(topk.shape)}; the feature spec needs k={spec.k}")
+                blocks.append(topk[:, : spec.k])
+            else:
+                blocks.append(np.asarray(NODE_VALUES[part](cols), dtype=np.float32).reshape(-1, 1))
+        return torch.from_numpy(np.ascontiguousarray(np.concatenate(blocks, axis=1), dtype=np.float32))
+
+    def from_columns(self, columns, spec):
+        cols = {c: _np(columns[c]) for c in self.columns(spec) if c in columns}
+        if "parent_q" in self.parts:
+            cols["parent_q"] = parent_q_column(columns)
+        return self._matrix(cols, spec)
+
+    def node_rows(self, tree, nodes: list[int], spec: FeatureSpec, support=None) -> torch.Tensor:
+        """(len(nodes), spec.dim) float32 rows of `nodes` of a models.tree.Tree (their parents' distributions known:
+        `tree.dist`), the rows `from_columns` gives for the same nodes in a tree trace. `support`: the draft's reduced
+        vocabulary (models.lm.LM.support) when it has one — the same values, fewer reads."""
+        from models.tree import node_columns
+
+        return self._matrix(node_columns(tree, list(nodes), spec.k if "topk" in self.parts else 0, support), spec)
+
+    def positions(self, columns):
+        """depth − 1: the node's position on its drafted path (0 = a child of the root), as a chain's round position."""
+        import numpy as np
+
+        return _np(columns["depth"]).astype(np.int64) - 1
+
+    def decoder(self, spec, device=None):
+        from utils.cli import UserError
+
+        raise UserError(f"a {self.name} head scores token-tree nodes (decode's tree builders: kind.node_rows); it has "
+                        "no chain-round decoder, so it cannot be a chain stop policy (learned:<ckpt>): use a disco head")
+
+
+def _log(x):
+    """float32 log, floored at 1e-30 (a joint probability can underflow to 0 in float32)."""
+    import numpy as np
+
+    return np.log(np.maximum(np.asarray(x, dtype=np.float32), np.float32(1e-30)))
+
+
+# the trace columns each node value reads, and the value from those columns (float32 arrays, `NodeFeatures._matrix`)
+NODE_SOURCES = {
+    "topk": ("draft_topk",),
+    "parent_entropy": ("draft_entropy",),
+    "depth": ("depth",),
+    "joint": ("joint",),
+    "log_joint": ("joint",),
+    "q_token": ("q_token",),
+    "rank": ("rank",),
+    "parent_q": ("node", "parent", "q_token", "prompt_id", "position"),
+}
+NODE_VALUES = {
+    "parent_entropy": lambda c: c["draft_entropy"],
+    "depth": lambda c: c["depth"],
+    "joint": lambda c: c["joint"],
+    "log_joint": lambda c: _log(c["joint"]),
+    "q_token": lambda c: c["q_token"],
+    "rank": lambda c: c["rank"],
+    "parent_q": lambda c: c["parent_q"],
+}
+
+
+class C2TFeatures(NodeFeatures):
+    """C2T (arXiv 2502.13652): [joint probability, entropy of the parent's distribution, depth]."""
+
+    name = "c2t"
+    parts = ("joint", "parent_entropy", "depth")
+
+
+class TreeNodeFeatures(NodeFeatures):
+    """This project's richer node row: C2T's inputs, the DISCO inputs of the parent distribution (sorted top-k), the
+    node's own q_token and rank, log joint, and the parent's own q_token (1.0 for the root's children)."""
+
+    name = "tree_node"
+    reads_probs = True
+    parts = ("topk", "parent_entropy", "depth", "joint", "log_joint", "q_token", "rank", "parent_q")
 
 
 def feature_kinds() -> dict[str, type[FeatureKind]]:

@@ -23,7 +23,9 @@ class Tree:
     """The round's candidate tree. Node i: `tokens[i]`, `parents[i]` (−1: a child of the root, the last committed
     token), `depth[i]` (1 for the root's children), `joint[i]` (product of the draft's probabilities along its path),
     `rank[i]` (1-based rank of its token in its parent's distribution). `q[i]`: the draft's distribution after the
-    node, once the draft has run on it (then `dpos[i]` is its position in the draft cache)."""
+    node, once the draft has run on it (then `dpos[i]` is its position in the draft cache). `score[i]`: a trained
+    node head's P(node on the accepted path), for the nodes scored so far (decode.tree_builders' learned builders;
+    the replay fills it from the trace)."""
 
     root_q: torch.Tensor
     tokens: list[int] = field(default_factory=list)
@@ -34,6 +36,7 @@ class Tree:
     q: dict = field(default_factory=dict)
     dpos: dict = field(default_factory=dict)
     tpos: dict = field(default_factory=dict)  # verified nodes' positions in the target cache
+    score: list = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -91,6 +94,51 @@ def grow(draft, dcache, d_pending: list[int], expander, temperature: float = 0.0
     return tree, prefix_len, calls
 
 
+# what `node_columns` returns per node: the structure, the node's own draft probability, and the DISCO features of
+# its parent's distribution (draft_topk (n, k) when k > 0, draft_entropy) plus parent_q, the parent's own q_token
+NODE_COLUMNS = ("node", "parent", "depth", "rank", "token", "q_token", "joint", "draft_entropy", "parent_q")
+
+
+@torch.no_grad()
+def node_columns(tree: Tree, nodes: list[int], k: int, support=None) -> dict:
+    """Per-node numpy columns computed from the tree alone, the one definition data_gen's tree traces store
+    (data_gen.traces.tree_rows) and decode's node heads read (models.features `node_rows`), so a node head sees at
+    decode exactly what it was trained on.
+
+    draft_topk / draft_entropy are those of the distribution the node was drawn from (its parent's, `tree.dist`),
+    through models.features.DraftStep, the extractor decode's chain policies read (`support`: the draft's reduced
+    vocabulary, same values); q_token = that distribution at the node's token; parent_q = the parent's own q_token
+    (1.0 for the root's children). Ints are int32, floats float32; draft_topk is (len(nodes), k), omitted for k = 0.
+    """
+    import numpy as np
+
+    from models.features import DraftStep
+
+    feats: dict[int, tuple] = {}
+    cols: dict[str, list] = {name: [] for name in NODE_COLUMNS}
+    topk: list = []
+    for i in nodes:
+        par, tok, d = tree.parents[i], tree.tokens[i], tree.depth[i]
+        if par not in feats:
+            step = DraftStep(probs=tree.dist(par), token=tok, hidden=None, position_in_round=d - 1, position=0,
+                             support=support)
+            feats[par] = (step.topk(k).float().cpu().numpy() if k > 0 else None, float(step.entropy))
+        cols["node"].append(i)
+        cols["parent"].append(par)
+        cols["depth"].append(d)
+        cols["rank"].append(tree.rank[i])
+        cols["token"].append(tok)
+        cols["q_token"].append(float(tree.dist(par)[tok]))
+        cols["joint"].append(tree.joint[i])
+        cols["draft_entropy"].append(feats[par][1])
+        cols["parent_q"].append(1.0 if par < 0 else float(tree.dist(tree.parents[par])[tree.tokens[par]]))
+        if k > 0:
+            topk.append(feats[par][0])
+    ints = {"node", "parent", "depth", "rank", "token"}
+    out = {name: np.asarray(v, dtype=np.int32 if name in ints else np.float32) for name, v in cols.items()}
+    if k > 0:
+        out["draft_topk"] = np.stack(topk).astype(np.float32, copy=False) if topk else np.zeros((0, k), np.float32)
+    return out
 
 
 class TopkExpander:

@@ -8,10 +8,12 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from data_gen.labels import required_columns
+from models.features import feature_kind
 from models.heads import head_family
 from utils.cli import CONF_DIR, known_names
 
-EXPECTED = {"disco_mbpp", "disco_specbench", "sprinter_wikitext2", "sprinter_mbpp", "specdecpp_mbpp", "smoke"}
+EXPECTED = {"disco_mbpp", "disco_specbench", "sprinter_wikitext2", "sprinter_mbpp", "specdecpp_mbpp", "smoke", "c2t_mbpp",
+            "tree_mbpp"}
 
 
 def compose_train(*overrides: str):
@@ -63,7 +65,10 @@ def test_every_experiment_composes(name):
     feat = head_family(cfg.model.kind).features
     if feat == "hidden":  # hidden-state heads need traces that store the draft hidden state
         assert cfg.trace.store_hidden, name
-    assert cfg.trace.kind in ("target_ar", "interleaved")
+    assert cfg.trace.kind in ("target_ar", "interleaved", "tree")
+    # token-tree node heads train on tree traces with the tree label, chain heads on chain traces (issue 30)
+    tree = feature_kind(feat).tree
+    assert (cfg.trace.kind == "tree") == tree and (cfg.labels.name == "on_path") == tree, name
     assert cfg.trace_root and cfg.monitor == "val/auroc"
     limits = [cfg.split_limits[s] for s in ("train", "validation", "test")]
     assert all(v is None or v > 0 for v in limits)

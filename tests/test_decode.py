@@ -31,7 +31,10 @@ def ids_of(pair, text):
 def make_head(pair, kind: str, threshold: float = 0.5, seed: int = 0):
     from models.heads import HeadBundle, build_head
 
-    spec = FeatureSpec("disco") if kind == "disco" else FeatureSpec("hidden", d=int(pair.draft.config.hidden_size))
+    if kind in ("disco", "c2t", "tree_node"):  # a chain DISCO head, or a token-tree node head
+        spec = FeatureSpec(kind)
+    else:
+        spec = FeatureSpec("hidden", d=int(pair.draft.config.hidden_size))
     torch.manual_seed(seed)
     head = build_head(kind, spec).eval()
     return HeadBundle(head=head, kind=kind, spec=spec, labels={"name": "greedy_match"}, threshold=threshold,

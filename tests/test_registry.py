@@ -77,7 +77,7 @@ def test_every_policy_yaml_instantiates(tiny_pair):
         if cls.external:
             extra["pair"] = tiny_pair
         if cls.learned:
-            extra["bundle"] = make_head(tiny_pair, "sprinter" if cls.approximate else "disco")
+            extra["bundle"] = make_head(tiny_pair, "sprinter" if cls.approximate else "tree_node" if cls.tree else "disco")
         if cls.wants_profile({k: v for k, v in yaml.items() if k != "_target_"}, extra.get("bundle")):
             extra["profile"] = ev_profile()
         yaml.pop("ckpt", None)  # a head's checkpoint path: decode loads the bundle from it (build_policy)
@@ -88,11 +88,12 @@ def test_every_policy_yaml_instantiates(tiny_pair):
 
 def test_capabilities_are_declared_on_the_classes():
     caps = {n: policy_class(n) for n in known_policies()}
-    assert {n for n, c in caps.items() if c.learned} == {"learned", "sprinter"}
+    assert {n for n, c in caps.items() if c.learned} == {"learned", "sprinter", "c2t", "learned_tree"}
     assert {n for n, c in caps.items() if c.external} == {"hf_assisted"}
     assert {n for n, c in caps.items() if c.oracle} == {"oracle"}
-    assert {n for n, c in caps.items() if c.needs_profile} == {"expected_value", "tree_static", "sequoia", "eagle2"}
-    assert {n for n, c in caps.items() if c.tree} == {"tree_static", "sequoia", "eagle2"}
+    trees = {"tree_static", "sequoia", "eagle2", "c2t", "learned_tree"}
+    assert {n for n, c in caps.items() if c.needs_profile} == {"expected_value", *trees}
+    assert {n for n, c in caps.items() if c.tree} == trees
     assert {n for n, c in caps.items() if c.approximate} == {"sprinter"}
 
 
@@ -109,7 +110,7 @@ def test_every_head_family_yaml_instantiates():
     """conf/model/<kind>.yaml: its `arch` node (with `_target_`) builds the family's network by instantiate, and the
     head built from it reads its feature kind's rows."""
     kinds = head_kinds()
-    assert kinds == ["disco", "disco_plus", "specdecpp", "sprinter"]
+    assert kinds == ["c2t", "disco", "disco_plus", "specdecpp", "sprinter", "tree_node"]
     for kind in kinds:
         cfg = discover.load("model", kind)
         assert cfg["kind"] == kind  # the family's name is its file's
@@ -119,7 +120,7 @@ def test_every_head_family_yaml_instantiates():
         assert type(net) is family and family.features in feature_kinds()
         head = build_head(kind, spec, cfg["arch"])
         assert type(head.net) is family and head(torch.rand(3, spec.dim)).shape == (3,)
-    with pytest.raises(UserError, match="unknown head kind 'nope'; known: disco, disco_plus, specdecpp, sprinter"):
+    with pytest.raises(UserError, match="unknown head kind 'nope'; known: c2t, disco, disco_plus, specdecpp, sprinter, tree_node"):
         head_family("nope")
 
 
@@ -133,7 +134,10 @@ def synthetic_columns(n: int = 6, k: int = 10, d: int = 8) -> dict:
             "draft_hidden": rng.random((n, d)).astype(np.float32), "target_entropy": rng.random(n),
             "target_margin": rng.random(n), "tvd": rng.random(n), "context_token": np.array([5, 6, 9, 5, 6, 8]),
             "prompt_tokens": np.array([np.array([1, 2, 5, 6])] + [np.array([], dtype=np.int64)] * (n - 1),
-                                      dtype=object)}
+                                      dtype=object),
+            # one token tree of n nodes (tree-trace columns, read by the node kinds)
+            "node": np.arange(n), "parent": np.array([-1, -1, 0, 0, 2, 3]), "depth": np.array([1, 1, 2, 2, 3, 3]),
+            "rank": np.array([1, 2, 1, 2, 1, 1]), "q_token": rng.random(n), "joint": rng.random(n)}
 
 
 def test_every_feature_kind_declares_its_columns():
@@ -141,13 +145,19 @@ def test_every_feature_kind_declares_its_columns():
     decode-time row builder gives a row of the same width."""
     cols = synthetic_columns()
     specs = {"disco": FeatureSpec("disco"), "hidden": FeatureSpec("hidden", d=8),
-             "disco_plus": FeatureSpec("disco_plus", d=8, groups=["verify", "copy", "token", "hidden"])}
+             "disco_plus": FeatureSpec("disco_plus", d=8, groups=["verify", "copy", "token", "hidden"]),
+             "c2t": FeatureSpec("c2t"), "tree_node": FeatureSpec("tree_node")}
     assert set(feature_kinds()) == set(specs)
     for name, cls in feature_kinds().items():
         kind, spec = cls(), specs[name]
         assert spec.family.name == name and len(kind.names(spec)) == spec.dim
-        x = kind.from_columns({c: cols[c] for c in kind.columns(spec)}, spec)  # nothing beyond its columns
+        src = dict(cols, position=np.zeros(len(cols["position"]), np.int32)) if kind.tree else cols  # one tree: one position
+        x = kind.from_columns({c: src[c] for c in kind.columns(spec)}, spec)  # nothing beyond its columns
         assert x.shape == (len(cols["position"]), spec.dim), name
+        if kind.tree:  # node kinds score tree nodes (tests/test_tree_heads.py: node_rows); no chain-round decoder
+            with pytest.raises(UserError, match="token-tree nodes"):
+                kind.decoder(spec)
+            continue
         step = DraftStep(probs=torch.softmax(torch.rand(20), -1), token=5, hidden=torch.rand(8), position_in_round=0,
                          position=0, context=[1, 2] if spec.needs_context else None)
         rows = kind.decoder(spec)

@@ -164,23 +164,36 @@ def test_replay_on_hand_made_candidates():
     assert res["best_tree_vs_chain"]["value"] == pytest.approx(want)
 
 
-def test_eagle2_replay_agrees_with_decode(close_pair):
-    """On the same prompts, decode's eagle2 rounds (greedy, float32) are the replay's: tokens per round, and the
-    verified nodes of every round not cut by the end of the continuation."""
+@pytest.mark.parametrize("name", ["eagle2", "learned_tree", "c2t"])
+def test_dynamic_builders_replay_agrees_with_decode(close_pair, name):
+    """On the same prompts, decode's rounds (greedy, float32) are the replay's: tokens per round, and the verified
+    nodes of every round not cut by the end of the continuation. For the learned builders the replay reads the head's
+    scores off the trace rows (eval.tree_replay.head_scores' path: the kind's from_columns) while decode computes
+    them from its own tree (node_rows), so this also checks the two feature paths agree inside the builder."""
     from decode.loop import speculative
-    from decode.tree_builders import Eagle2
-    from eval.tree_replay import candidates_from_columns, replay_prompt
+    from decode.tree_builders import C2T, Eagle2, LearnedTree
+    from eval.tree_replay import candidates_from_columns, replay
+    from models.features import feature_kind
+    from tests.test_decode import make_head
 
     prof = _Profile(slope=0.0, c=0.05)
     items, rows = trace_items(close_pair, max_new=16, topk=3, depth=3)
     cols = {k: np.concatenate([np.asarray(r[k]) if np.ndim(r[k]) else np.repeat(r[k], r["n"]) for r in rows])
-            for k in ("prompt_id", "position", "node", "parent", "depth", "rank", "token", "joint", "on_path", "length")}
+            for k in rows[0] if k != "n"}
     cands = candidates_from_columns(cols)
+    scores, make = None, lambda: Eagle2(topk=3, max_depth=3, max_nodes=12, profile=prof)
+    if name != "eagle2":
+        bundle = make_head(close_pair, "tree_node", seed=1)
+        bundle.calibration = {"temperature": 0.3, "bias": 1.0, "mode": "platt"}  # spread the random head's scores
+        scores = bundle.prob(feature_kind("tree_node").from_columns(cols, bundle.spec)).reshape(-1).double().numpy()
+        cls = LearnedTree if name == "learned_tree" else C2T
+        extra = {"threshold": float(np.median(scores))} if name == "c2t" else {}
+        make = lambda: cls(bundle=bundle, topk=3, max_depth=3, max_nodes=12, profile=prof, **extra)  # noqa: E731
     longest = 0
-    for it, cand in zip(items, cands):
-        builder = Eagle2(topk=3, max_depth=3, max_nodes=12, profile=prof)
+    reps = replay(make(), cands, prof, scores, name)
+    for it, cand, rep in zip(items, cands, reps):
+        builder = make()
         dec = speculative(close_pair, it.prefix, builder, 16, eos=set(close_pair.eos_ids))
-        rep = replay_prompt(builder, cand, prof)
         assert len(dec.tokens) == cand.n
         emitted, t = [], 0
         for k, n in dec.rounds:

@@ -183,3 +183,28 @@ def test_dear_draft_calls_cut_the_trees_levels(close_tiny):
         cheap, dear = calls_per_round(make(_Profile(c=0.001))), calls_per_round(make(_Profile(c=0.6)))
         assert dear < cheap
         assert dear >= 1.0
+
+
+@pytest.mark.parametrize("name", ["learned_tree", "c2t"])
+def test_learned_builders_are_target_greedy_and_refuse_chain_heads(close_tiny, name):
+    """The node-head builders decode exactly target-only greedy (float32) with trees that branch, score each node
+    once, and refuse a chain head in one line."""
+    from decode.loop import autoregressive, speculative
+    from decode.tree_builders import C2T, LearnedTree
+    from tests.test_decode import make_head
+    from utils.cli import UserError
+
+    cls = LearnedTree if name == "learned_tree" else C2T
+    bundle = make_head(close_tiny, "tree_node", seed=2)
+    bundle.calibration = {"temperature": 0.3, "bias": 2.0, "mode": "platt"}  # a confident random head: trees grow
+    extra = {"threshold": 0.2} if name == "c2t" else {}
+    builder = cls(bundle=bundle, topk=3, max_depth=4, max_nodes=12, profile=_Profile(c=0.01), **extra)
+    widest = 0
+    for text in ("def f(x):", "import os\nclass A:", "hello world"):
+        ids = close_tiny.tokenizer.encode(text)
+        res = speculative(close_tiny, ids, builder, 24)
+        assert res.tokens == autoregressive(close_tiny, ids, 24).tokens
+        widest = max(widest, max(k for k, _ in res.rounds))
+    assert widest > 4  # more nodes than a chain of this depth
+    with pytest.raises(UserError, match="needs a node head"):
+        cls(bundle=make_head(close_tiny, "disco"), profile=_Profile())

@@ -1,8 +1,11 @@
 """Traces → (features, labels) tensors for a stop head, split by prompt, normalised on train.
 
 Labels come from `data_gen.labels.make_labels` (so a τ sweep reuses the same traces) and features from
-`models.features.features_from_columns` (the vectors decode builds per drafted token). The trace splits are the
-dataset's prompt splits; `setup` asserts no prompt_id sits in two of them.
+`models.features.features_from_columns` (the vectors decode builds per drafted token, or per token-tree node for the
+node kinds). Per row it also keeps the position the feature kind buckets by (`FeatureKind.positions`: the position in
+the draft round, or a node's depth − 1) and the trace columns of the kind's training-free baselines (`base`), so the
+test report compares the head with them on the same rows. The trace splits are the dataset's prompt splits; `setup`
+asserts no prompt_id sits in two of them.
 """
 
 from __future__ import annotations
@@ -18,12 +21,11 @@ from torch.utils.data import DataLoader, TensorDataset, WeightedRandomSampler
 from data_gen.contract import HEAD_SPLITS as SPLITS
 from data_gen.contract import trace_columns
 from data_gen.labels import is_soft, make_labels, make_weights, required_columns, weight_columns
-from models.features import FeatureSpec, features_from_columns, needed_columns, trace_round_positions
+from eval.metrics import baseline_columns
+from models.features import FeatureSpec, features_from_columns, needed_columns
 from utils.cli import UserError
 
 log = logging.getLogger(__name__)
-
-ROUND_COLUMNS = ("draft_token", "target_token", "position", "prompt_id", "kind")
 
 
 class TraceDataModule(L.LightningDataModule):
@@ -73,8 +75,11 @@ class TraceDataModule(L.LightningDataModule):
         missing = [s for s in SPLITS if s not in self.traces]
         if missing:
             raise UserError(f"no traces for split(s) {missing}; train needs train, validation and test")
+        kind = self.spec.family
         feature_cols = needed_columns(self.spec)
-        needed = tuple(required_columns(self.labels_cfg)) + feature_cols + ROUND_COLUMNS + weight_columns(self.labels_cfg)
+        base_cols = baseline_columns(kind.baselines)
+        needed = (tuple(required_columns(self.labels_cfg)) + feature_cols + tuple(kind.position_columns)
+                  + weight_columns(self.labels_cfg) + base_cols + ("prompt_id",))
         prompts = {}
         for split in SPLITS:
             ds = self.traces[split]
@@ -87,14 +92,19 @@ class TraceDataModule(L.LightningDataModule):
                 if set(lack) & {"target_margin", "context_token", "prompt_tokens"}:
                     hint = (" (made before disco_plus features existed: regenerate them with python -m data_gen and the "
                             "same settings plus overwrite=true, or delete the trace folder and rerun train)")
+                if kind.tree:
+                    hint = " (node heads read token-tree traces: trace=tree)"
+                elif "on_path" in names:
+                    hint = " (these are token-tree traces: train a node head, model=c2t | tree_node, labels=on_path)"
                 raise UserError(f"{self.spec.kind} features need trace column(s) {lack} missing from the {split} traces{hint}")
             cols = trace_columns(ds, [c for c in dict.fromkeys(needed) if c in names])
             labels = make_labels(cols, self.labels_cfg)
             weights = make_weights(cols, self.labels_cfg)
             x = features_from_columns(cols, self.spec)
-            pos = torch.as_tensor(trace_round_positions(cols), dtype=torch.long)
+            pos = torch.as_tensor(kind.positions(cols), dtype=torch.long)
             self.data[split] = {"x": x, "y": torch.as_tensor(labels, dtype=torch.float32), "pos": pos,
-                                "w": torch.as_tensor(weights, dtype=torch.float32)}
+                                "w": torch.as_tensor(weights, dtype=torch.float32),
+                                "base": {c: cols[c] for c in base_cols if c in cols}}
             prompts[split] = set(np.asarray(cols["prompt_id"]).tolist())
         for i, a in enumerate(SPLITS):
             for b in SPLITS[i + 1 :]:

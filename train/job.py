@@ -9,8 +9,11 @@ decode needs), calibrate it and store its speed rule, reload it with `models.hea
 - `checkpoints/best.ckpt` with `roc.png` and `pr.png` beside it (and to W&B as plots when W&B is on),
 - `csv/` (always) and `wandb/` (offline by default; `wandb sync <run dir>/wandb/offline-run-*` uploads later).
 
-Its numbers and plots come from eval's one definition of each (eval.metrics: metrics, ECE, the max q / −H_q
-baselines; eval.plots: the curves), so results.json and `python -m eval` agree on the same rows.
+Its numbers and plots come from eval's one definition of each (eval.metrics: metrics, ECE, the training-free
+baselines; eval.plots: the curves), so results.json and `python -m eval` agree on the same rows. Which baselines, and
+whether the chain-only steps run (the speed rule, the static-length F1), is the feature kind's business: token-tree
+node heads (`model=c2t | tree_node` on `trace=tree`, `labels=on_path`; `FeatureKind.tree`) are compared with the
+joint probability and q_token and skip both.
 """
 
 from __future__ import annotations
@@ -161,11 +164,12 @@ def feature_spec(cfg: DictConfig, manifest: dict):
     if kind not in head_kinds():
         raise UserError(f"unknown model.kind '{kind}'; known: {', '.join(head_kinds())}")
     features = feature_kind(head_family(kind).features)
-    if features.reads_probs:
+    if features.reads_probs or features.tree:
         k = int(cfg.model.get("k", 10))
         have = int(manifest.get("topk", k))
-        if have < k:
-            raise UserError(f"DISCO head needs top-{k} probabilities but the traces stored top-{have}; set model.k<={have}")
+        if features.reads_probs and have < k:
+            raise UserError(f"{kind} head needs top-{k} probabilities but the traces stored top-{have}; "
+                            f"set model.k<={have}")
         if not features.grouped:
             return FeatureSpec(features.name, k=k)
         groups = list(cfg.model.get("groups") or [])
@@ -363,7 +367,8 @@ def test_report(cfg: DictConfig, fit: Fit, spec, speed: dict | None, loggers: li
     y = test["y"].numpy()
     scores = bundle.prob(test["x"]).numpy()
     metrics = classification_metrics(scores, y, bundle.threshold)
-    static = static_length_f1(y, test["pos"].numpy())
+    # a static speculation length is a chain baseline (DISCO App. D); a tree's nodes have no such cut
+    static = {"f1_static_best": None, "k_best": None} if spec.family.tree else static_length_f1(y, test["pos"].numpy())
     results = {
         "test/auroc": metrics["auroc"],
         "test/ap": metrics["ap"],
@@ -388,12 +393,13 @@ def test_report(cfg: DictConfig, fit: Fit, spec, speed: dict | None, loggers: li
         "train_rows": len(fit.dm.data["train"]["y"]),
         "epochs": fit.epochs,
     }
+    # the kind's training-free scores (max q / −H_q for chain kinds, joint / q_token for node kinds) from the test rows'
+    # own trace columns (the data module keeps them); a hidden-state head is compared with none here, as before
     baselines = {}
-    if spec.reads_probs:  # raw features (the head normalises inside): top-k q, then H_q at k
-        x = test["x"].numpy()
-        cols = {"draft_topk": x[:, : spec.k], "draft_entropy": x[:, spec.k]}  # the trace columns they were built from
-        baselines = baseline_scores(cols)
-        results.update({f"test/auroc_{name}": auroc for name, auroc in baseline_auroc(cols, y).items()})
+    if spec.reads_probs or spec.family.tree:
+        names = spec.family.baselines
+        baselines = baseline_scores(test["base"], names)
+        results.update({f"test/auroc_{name}": auroc for name, auroc in baseline_auroc(test["base"], y, names).items()})
     points = roc_pr_points(scores, y)
     base_points = {name: roc_pr_points(b, y).get("roc") for name, b in baselines.items()}
     pngs = save_curves(points, base_points, results, fit.ckpt_path.parent,
@@ -439,6 +445,10 @@ def store_speed_rule(path: Path, val_ds, val_manifest: dict, conf) -> dict | Non
     if not conf or not conf.get("thresholds"):
         return None
     bundle = load_head(path)
+    if bundle.spec.family.tree:
+        print(f"speed rule: not chosen ({bundle.kind} head scores token-tree nodes; decode's tree builders size the "
+              "tree from its P(on_path))", flush=True)
+        return None
     greedy = val_manifest.get("trace_kind") == "target_ar" and float(val_manifest.get("temperature") or 0) == 0.0
     if not bundle.spec.reads_probs or not greedy or not val_manifest.get("cost_profile"):
         print(f"speed rule: not chosen ({bundle.kind} head, {val_manifest.get('trace_kind')} traces"
@@ -458,16 +468,19 @@ def print_table(results: dict) -> None:
     r = results
     lab = r["labels"]
     scheme = lab.get("name") + (f" tau={lab['tau']}" if "tau" in lab else "")
-    print(f"\n{r['kind']} head on {r['dataset']} ({scheme}), test split: {r['test/rows']} drafted positions, "
-          f"{100 * r['test/positive_rate']:.1f}% accepted")
+    tree = r.get("test/k_static_best") is None  # node heads: rows are candidate-tree nodes, no static length
+    what, share = ("candidate-tree nodes", "on the accepted path") if tree else ("drafted positions", "accepted")
+    print(f"\n{r['kind']} head on {r['dataset']} ({scheme}), test split: {r['test/rows']} {what}, "
+          f"{100 * r['test/positive_rate']:.1f}% {share}")
     rows = [
         ("AUROC", r["test/auroc"]),
         *[(f"AUROC of {label} (training-free, same rows)", r[f"test/auroc_{key}"])
           for key, label in BASELINE_LABELS.items() if f"test/auroc_{key}" in r],
         ("average precision", r["test/ap"]),
         (f"F1 @ threshold {r['threshold']:.3f} ({r['threshold_mode']} on validation)", r["test/f1"]),
-        (f"F1 best static length (K={r['test/k_static_best']})", r["test/f1_static_best"]),
     ]
+    if not tree:
+        rows.append((f"F1 best static length (K={r['test/k_static_best']})", r["test/f1_static_best"]))
     sr = r.get("speed_rule")
     if sr:
         rule = sr["rule"] + (f" {sr['threshold']:g}" if sr.get("threshold") is not None else "")
