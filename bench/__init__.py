@@ -21,14 +21,10 @@ def repo_path(path) -> Path:
 
 
 def command(script: str) -> str:
-    """The command line that made a result (`python -m bench.<script> <overrides>`), recorded in its json and md."""
-    from hydra.core.hydra_config import HydraConfig
+    """The command line that made a bench result (`python -m bench.<script> <overrides>`), recorded in its json and md."""
+    from utils.cli import command as stage_command
 
-    try:
-        overrides = list(HydraConfig.get().overrides.task)
-    except ValueError:  # composed outside Hydra's main (the tests): no command-line overrides
-        overrides = []
-    return " ".join([f"python -m bench.{script}", *overrides])
+    return stage_command(f"bench.{script}")
 
 
 def compose_stage(config_name: str, overrides: list[str]):

@@ -320,11 +320,15 @@ class Eagle2(GrownTree):
 
     name = "eagle2"
 
-    def __init__(self, topk: int = 4, max_depth: int = 6, max_nodes: int = 32, profile=None):
+    def __init__(self, topk: int = 4, max_depth: int = 6, max_nodes: int = 32, nodes: int | None = None,
+                 profile=None):
         super().__init__(max_depth, profile)
-        if int(topk) < 1 or int(max_nodes) < 1:
-            raise UserError(f"policy.eagle2.topk and max_nodes must be ≥ 1, got {topk}, {max_nodes}")
+        if int(topk) < 1 or int(max_nodes) < 1 or (nodes is not None and int(nodes) < 1):
+            raise UserError(f"policy.{self.name}.topk, max_nodes and nodes must be ≥ 1, got {topk}, {max_nodes}, {nodes}")
         self.topk, self.max_nodes = int(topk), int(max_nodes)
+        # EAGLE-2 as published: every level grown, the `nodes` most likely verified (a fixed N; the sweeps of
+        # accepted length against verified nodes use it); null: depth and N chosen on the profile
+        self.nodes = None if nodes is None else int(nodes)
 
     def children(self, tree, parent, level):
         return _top(tree.dist(parent), self.topk)
@@ -365,6 +369,8 @@ class Eagle2(GrownTree):
         # node any of these builders grows) — then the most likely first
         top = self.prune(acc, sorted(new, key=lambda i: -tree.joint[i])[: self.topk])
         top.sort(key=lambda i: -acc[i])
+        if self.nodes is not None:
+            return top
         expected, n = self._best(acc, tree, level)
 
         def offer(i):  # the rank-1 child's chance: the node's, times its own chance given its parent (the chain's)
@@ -377,11 +383,11 @@ class Eagle2(GrownTree):
     def select(self, tree):
         """The best N by acceptance, costed with the levels the round drafted (every level paid a draft call)."""
         acc = self.acceptance(tree)
-        _, n = self._best(acc, tree, max(tree.depth, default=1))
+        n = self.nodes if self.nodes is not None else self._best(acc, tree, max(tree.depth, default=1))[1]
         return self._order(acc, tree)[:n]
 
     def describe(self):
-        return {**super().describe(), "topk": self.topk, "max_nodes": self.max_nodes}
+        return {**super().describe(), "topk": self.topk, "max_nodes": self.max_nodes, "nodes": self.nodes}
 
 
 class LearnedTree(Eagle2):
@@ -396,8 +402,9 @@ class LearnedTree(Eagle2):
     name = "learned_tree"
     learned = True
 
-    def __init__(self, bundle=None, topk: int = 4, max_depth: int = 6, max_nodes: int = 32, profile=None):
-        super().__init__(topk, max_depth, max_nodes, profile)
+    def __init__(self, bundle=None, topk: int = 4, max_depth: int = 6, max_nodes: int = 32, nodes: int | None = None,
+                 profile=None):
+        super().__init__(topk, max_depth, max_nodes, nodes, profile)
         from models.features import feature_kind
 
         kind = feature_kind(bundle.spec.kind) if bundle is not None else None
@@ -432,8 +439,8 @@ class C2T(LearnedTree):
     name = "c2t"
 
     def __init__(self, bundle=None, threshold: float | None = None, topk: int = 4, max_depth: int = 6,
-                 max_nodes: int = 32, profile=None):
-        super().__init__(bundle, topk, max_depth, max_nodes, profile)
+                 max_nodes: int = 32, nodes: int | None = None, profile=None):
+        super().__init__(bundle, topk, max_depth, max_nodes, nodes, profile)
         self.threshold = float(bundle.threshold if threshold is None else threshold)
 
     def prune(self, acc, nodes):
@@ -441,7 +448,8 @@ class C2T(LearnedTree):
 
     def select(self, tree):
         acc = self.acceptance(tree)
-        return self._order(acc, tree)[: sum(1 for a in acc if a >= self.threshold)]
+        keep = sum(1 for a in acc if a >= self.threshold)
+        return self._order(acc, tree)[: keep if self.nodes is None else min(keep, self.nodes)]
 
     def describe(self):
         return {**super().describe(), "threshold": self.threshold}

@@ -124,3 +124,35 @@ def speedup_prediction(rows: list[dict], path, measured: dict | None = None, tit
     ax.set(xlabel="draft length γ", ylabel="speedup over target-only", title=title)
     ax.legend(fontsize=7)
     return _save(fig, path)
+
+
+def accepted_vs_nodes(curves: dict, path, reference: tuple | None = None,
+                      title: str = "Accepted length vs verified tree size") -> Path:
+    """C2T's and EAGLE-2's figure: curves name → (verified nodes per round list, τ list), one line per builder family
+    (eval.tree_sweep); `reference` = (nodes, τ, label), the operating point the node saving is read at."""
+    fig, ax = plt.subplots(figsize=(5.6, 4.2))
+    for name, (nodes, tau) in curves.items():
+        ax.plot(nodes, tau, "o-", ms=3, label=name)
+    if reference is not None:
+        n, t, label = reference
+        ax.plot([n], [t], "k*", ms=10, label=label)
+        ax.axhline(t, color="k", ls=":", lw=0.8)
+    ax.set(xlabel="verified nodes per round", ylabel="τ (tokens per round)", title=title)
+    ax.legend(fontsize=7, loc="lower right")
+    return _save(fig, path)
+
+
+def speedup_bars(rows: dict, path, ylabel: str = "speedup vs target-only\n(95% bootstrap CI over prompts)",
+                 title: str | None = None) -> Path:
+    """rows: name → (speedup, [low, high] or None); one bar per method with its interval, 1.0 dashed."""
+    names = list(rows)
+    fig, ax = plt.subplots(figsize=(0.9 * len(names) + 2, 3.6))
+    vals = [rows[k][0] for k in names]
+    err = [[max(0.0, v - rows[k][1][0]) if rows[k][1] else 0.0 for k, v in zip(names, vals)],
+           [max(0.0, rows[k][1][1] - v) if rows[k][1] else 0.0 for k, v in zip(names, vals)]]
+    ax.bar(range(len(names)), vals, yerr=err, capsize=4,
+           color=["#999" if k.startswith("chain_") else "#4477aa" for k in names])
+    ax.axhline(1.0, color="k", lw=0.8, ls="--")
+    ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
+    ax.set(ylabel=ylabel, title=title)
+    return _save(fig, path)

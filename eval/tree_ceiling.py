@@ -34,7 +34,7 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from models.tree_dp import TreeTable, chain, score_tree
-from utils.cli import UserError, hydra_entry, output_dir
+from utils.cli import UserError, command, hydra_entry, output_dir
 from utils.files import write_text_atomic
 
 REGIMES = ("measured", "flat")
@@ -181,23 +181,13 @@ def markdown(res: dict) -> str:
     return "\n".join(lines)
 
 
-def command() -> str:
-    from hydra.core.hydra_config import HydraConfig
-
-    try:
-        overrides = list(HydraConfig.get().overrides.task)
-    except ValueError:
-        overrides = []
-    return " ".join(["python -m eval.tree_ceiling", *overrides])
-
-
 def about(cfg: DictConfig, pair) -> dict:
     """What the result was made with (eval.study reads pair, dtype, device, draft, linear, forward for staleness)."""
     from omegaconf import OmegaConf
 
     from models.cost import machine
 
-    return {"command": command(), "pair": pair.pair_id, "dtype": str(pair.dtype).replace("torch.", ""),
+    return {"command": command("eval.tree_ceiling"), "pair": pair.pair_id, "dtype": str(pair.dtype).replace("torch.", ""),
             "device": str(pair.device), "draft": OmegaConf.to_container(pair.cfg.draft, resolve=True),
             "linear": pair.linear, "forward": pair.forwards, "threads": torch.get_num_threads(),
             "machine": machine(), "date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

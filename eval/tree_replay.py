@@ -18,6 +18,7 @@ order differently); a static shape's nodes the trace lacks (an unexpanded parent
 paid for and never accepted (a lower bound on its τ). Time is the cost model: a round costs its draft levels × c (the
 first call at the profile's cold cost when it has one) + t(nodes + 1)/t(1), against one target step per token
 (prefills excluded on both sides). Intervals: 95% bootstrap over prompts (utils.stats), paired across builders.
+Writes tree_replay.json, tree_replay.md and speedup.png (each builder's cost-model speedup with its interval).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from tqdm.auto import tqdm
 
 from models.cost import CostProfile
 from models.tree import Tree
-from utils.cli import UserError, hydra_entry, output_dir
+from utils.cli import UserError, command, hydra_entry, output_dir
 from utils.files import write_text_atomic
 
 COLUMNS = ["prompt_id", "position", "node", "parent", "depth", "rank", "token", "joint", "on_path", "length"]
@@ -190,16 +191,24 @@ def replay(builder, cands: list[Candidates], profile, scores: np.ndarray | None,
     return out
 
 
+def prompt_sums(reps: list[dict]) -> dict[str, np.ndarray]:
+    """One builder's replay as per-prompt sums (tokens, rounds, nodes, levels, cost): what a bootstrap over prompts
+    resamples, every ratio of sums recomputed from them."""
+    out = {name: np.array([sum(r[name]) for r in reps], dtype=float) for name in ("tokens", "nodes", "levels")}
+    out["rounds"] = np.array([len(r["tokens"]) for r in reps], dtype=float)
+    out["cost"] = np.array([r["cost"] for r in reps], dtype=float)
+    return out
+
+
 def summarize(per: dict[str, list[dict]], resamples: int) -> dict:
     """Per builder: τ, verified nodes and draft levels per round, cost-model speedup (ratios of sums over prompts)
     with paired 95% bootstrap intervals; the best chain and `best_tree_vs_chain`."""
     from utils.stats import bootstrap_ci
 
     keys = list(per)
-    sums = {name: np.array([[sum(r[name]) for r in per[k]] for k in keys], dtype=float)
-            for name in ("tokens", "nodes", "levels")}
-    rounds = np.array([[len(r["tokens"]) for r in per[k]] for k in keys], dtype=float)
-    cost = np.array([[r["cost"] for r in per[k]] for k in keys], dtype=float)
+    each = [prompt_sums(per[k]) for k in keys]
+    sums = {name: np.stack([e[name] for e in each]) for name in ("tokens", "nodes", "levels")}
+    rounds, cost = np.stack([e["rounds"] for e in each]), np.stack([e["cost"] for e in each])
     num = {"tau": sums["tokens"], "nodes": sums["nodes"], "levels": sums["levels"], "speedup": sums["tokens"]}
     den = {"tau": rounds, "nodes": rounds, "levels": rounds, "speedup": cost}
     point = {m: num[m].sum(-1) / den[m].sum(-1) for m in METRICS}
@@ -265,7 +274,8 @@ def run(cfg: DictConfig) -> dict:
     built.update(chains(int(tree.get("depth", 5)), profile))
     per = {k: replay(b, cands, profile, head_scores(b, ds, manifest, folder), f"tree_replay {k}")
            for k, b in built.items()}
-    res = {"settings": {"traces": str(folder), "pair": manifest.get("pair_id"), "prompts": len(cands), "tree": tree,
+    res = {"settings": {"command": command("eval.tree_replay"), "traces": str(folder), "pair": manifest.get("pair_id"),
+                        "prompts": len(cands), "tree": tree,
                         "c": profile.cost_ratio, "cost_profile": profile.to_dict(),
                         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                         "builders": {k: b.describe() for k, b in built.items()}},
@@ -274,8 +284,14 @@ def run(cfg: DictConfig) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out / "tree_replay.json", json.dumps(res, indent=1) + "\n")
     write_text_atomic(out / "tree_replay.md", markdown(res))
+    if cfg.get("plots", True):
+        from eval.plots import speedup_bars
+
+        speedup_bars({k: (r["speedup"], r["speedup_ci"]) for k, r in res["builders"].items()}, out / "speedup.png",
+                     ylabel="cost-model speedup vs target-only\n(95% bootstrap CI over prompts)",
+                     title=f"Tree replay, {len(cands)} prompts")
     print(markdown(res))
-    print(f"wrote {out / 'tree_replay.json'} and {out / 'tree_replay.md'}")
+    print(f"wrote {out / 'tree_replay.json'}, tree_replay.md" + (" and speedup.png" if cfg.get("plots", True) else ""))
     return res
 
 

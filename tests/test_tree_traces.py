@@ -137,7 +137,7 @@ def _candidates():
     one.add(-1, 9, 0.9, 1)
     on0 = np.array([True, False, True, False])
     off = np.array([False])
-    return Candidates("p", 4, [t0, one, one, one], [on0, off, off, off])
+    return Candidates("p", 4, [t0, one, one, one], [on0, off, off, off], [np.arange(4)] + [np.arange(1)] * 3)
 
 
 def test_replay_on_hand_made_candidates():
@@ -233,5 +233,6 @@ def test_cli_end_to_end(tmp_path, cli):
     assert res["settings"]["prompts"] == 2 and "best_tree_vs_chain" in res
     assert all(r["tau"] >= 1.0 for r in res["builders"].values())
     assert "| eagle2 |" in (out / "tree_replay.md").read_text()
+    assert (out / "speedup.png").stat().st_size > 1000
     bad = cli("eval.tree_replay", f"traces={tmp_path / 'missing'}", "pair=tiny_random")
     assert bad.returncode != 0 and "no traces at" in bad.stderr + bad.stdout

@@ -48,6 +48,18 @@ def run_stage(args: list[str], what: str, cwd: Path = CONF_DIR.parent) -> None:
         raise UserError(f"{what} failed: {tail}")
 
 
+def command(module: str) -> str:
+    """The command line that made a result (`python -m MODULE` + the run's command-line overrides), recorded in the
+    files that cite it; outside a Hydra run (tests compose configs directly) there are no overrides."""
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        overrides = list(HydraConfig.get().overrides.task)
+    except ValueError:
+        overrides = []
+    return " ".join([f"python -m {module}", *overrides])
+
+
 def output_dir(out_dir) -> Path:
     """The folder a stage writes to: `out_dir` when the user set one, else the Hydra run folder."""
     if out_dir:
