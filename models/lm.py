@@ -111,6 +111,10 @@ class LM:
         if positions.shape[0] != n or tuple(mask.shape) != (n, end) or mask.dtype != torch.bool:
             raise ValueError(f"a tree call of {n} tokens after {end - n} cached needs positions ({n},) and a bool "
                              f"mask ({n}, {end}), got {tuple(positions.shape)} and {mask.dtype} {tuple(mask.shape)}")
+        start = end - n
+        if (torch.equal(positions, torch.arange(start, end, device=self.device))
+                and torch.equal(mask, torch.ones(n, end, dtype=torch.bool, device=self.device).tril(start))):
+            return None, None  # a chain appended to the cache (a tree's spine level, a chain-shaped tree): run it plain
         return positions, mask
 
     def _hf_mask(self, mask: torch.Tensor) -> torch.Tensor:

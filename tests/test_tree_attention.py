@@ -306,3 +306,22 @@ def test_windowed_attention_refuses_trees():
     lm = LM(tiny_family("gpt_neo_local"), 101)
     with torch.inference_mode(), pytest.raises(UserError, match="gpt_neo has sliding-window or local layers"):
         one_call(lm)
+
+
+@pytest.mark.parametrize("lean", [True, False])
+def test_a_chain_shaped_tree_call_runs_plain(models, lean):
+    """A tree call that is a chain appended to the cache (a spine level, a chain-shaped tree) is run as the ordinary
+    causal call — no rotary gather, no mask — with the same logits; a branching call keeps its mask."""
+    lm = make_lm(models, "target", lean)
+    with torch.inference_mode():
+        cache = prefilled(lm)
+        n = cache.get_seq_length()
+        pos, mask = tree_attention([-1, 0, 1], [0, 1, 2], n, n, None)  # a chain of three nodes
+        assert lm._tree_args(3, cache, pos, mask) == (None, None)
+        branch_pos, branch_mask = tree_attention([-1, -1], [0, 1], n, n, None)  # two siblings
+        got = lm._tree_args(2, cache, branch_pos, branch_mask)
+        assert got[0] is not None and torch.equal(got[1].cpu(), branch_mask)
+        tree_logits, _ = lm([5, 6, 7], cache, 3, pos, mask)
+        plain = prefilled(lm)
+        plain_logits, _ = lm([5, 6, 7], plain, 3)
+        assert torch.equal(tree_logits, plain_logits)
