@@ -321,7 +321,7 @@ class Eagle2(GrownTree):
     name = "eagle2"
 
     def __init__(self, topk: int = 4, max_depth: int = 6, max_nodes: int = 32, nodes: int | None = None,
-                 profile=None):
+                 threshold: float | None = None, profile=None):
         super().__init__(max_depth, profile)
         if int(topk) < 1 or int(max_nodes) < 1 or (nodes is not None and int(nodes) < 1):
             raise UserError(f"policy.{self.name}.topk, max_nodes and nodes must be ≥ 1, got {topk}, {max_nodes}, {nodes}")
@@ -329,6 +329,9 @@ class Eagle2(GrownTree):
         # EAGLE-2 as published: every level grown, the `nodes` most likely verified (a fixed N; the sweeps of
         # accepted length against verified nodes use it); null: depth and N chosen on the profile
         self.nodes = None if nodes is None else int(nodes)
+        # C2T's pruning: nodes whose acceptance estimate is below it are neither expanded nor verified (on eagle2's
+        # joint probability it is the training-free ablation of C2T's classifier); null: no pruning
+        self.threshold = None if threshold is None else float(threshold)
 
     def children(self, tree, parent, level):
         return _top(tree.dist(parent), self.topk)
@@ -360,8 +363,8 @@ class Eagle2(GrownTree):
         return best_e, best_n
 
     def prune(self, acc: list[float], nodes: list[int]) -> list[int]:
-        """Nodes of the expansion that may grow (all, here; C2T drops those its classifier scores low)."""
-        return nodes
+        """Nodes of the expansion that may grow: those at or above `threshold` (all without one)."""
+        return nodes if self.threshold is None else [i for i in nodes if acc[i] >= self.threshold]
 
     def expand(self, tree, new, level):
         acc = self.acceptance(tree)
@@ -383,11 +386,15 @@ class Eagle2(GrownTree):
     def select(self, tree):
         """The best N by acceptance, costed with the levels the round drafted (every level paid a draft call)."""
         acc = self.acceptance(tree)
+        if self.threshold is not None:  # the nodes above it, at most `nodes` (max_nodes) of them
+            keep = sum(1 for a in acc if a >= self.threshold)
+            return self._order(acc, tree)[: keep if self.nodes is None else min(keep, self.nodes)]
         n = self.nodes if self.nodes is not None else self._best(acc, tree, max(tree.depth, default=1))[1]
         return self._order(acc, tree)[:n]
 
     def describe(self):
-        return {**super().describe(), "topk": self.topk, "max_nodes": self.max_nodes, "nodes": self.nodes}
+        return {**super().describe(), "topk": self.topk, "max_nodes": self.max_nodes, "nodes": self.nodes,
+                "threshold": self.threshold}
 
 
 class LearnedTree(Eagle2):
@@ -403,8 +410,8 @@ class LearnedTree(Eagle2):
     learned = True
 
     def __init__(self, bundle=None, topk: int = 4, max_depth: int = 6, max_nodes: int = 32, nodes: int | None = None,
-                 profile=None):
-        super().__init__(topk, max_depth, max_nodes, nodes, profile)
+                 threshold: float | None = None, profile=None):
+        super().__init__(topk, max_depth, max_nodes, nodes, threshold, profile)
         from models.features import feature_kind
 
         kind = feature_kind(bundle.spec.kind) if bundle is not None else None
@@ -440,16 +447,5 @@ class C2T(LearnedTree):
 
     def __init__(self, bundle=None, threshold: float | None = None, topk: int = 4, max_depth: int = 6,
                  max_nodes: int = 32, nodes: int | None = None, profile=None):
-        super().__init__(bundle, topk, max_depth, max_nodes, nodes, profile)
-        self.threshold = float(bundle.threshold if threshold is None else threshold)
-
-    def prune(self, acc, nodes):
-        return [i for i in nodes if acc[i] >= self.threshold]
-
-    def select(self, tree):
-        acc = self.acceptance(tree)
-        keep = sum(1 for a in acc if a >= self.threshold)
-        return self._order(acc, tree)[: keep if self.nodes is None else min(keep, self.nodes)]
-
-    def describe(self):
-        return {**super().describe(), "threshold": self.threshold}
+        super().__init__(bundle, topk, max_depth, max_nodes, nodes,
+                         float(bundle.threshold) if threshold is None and bundle is not None else threshold, profile)

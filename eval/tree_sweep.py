@@ -8,7 +8,10 @@ top-k, max_depth capped at the trace depth):
 - `eagle2` with `nodes=N` (EAGLE-2 as published: every level grown, the N most likely nodes by joint verified);
 - `learned_tree:CKPT` with the same `nodes=N` (the same growth; the head's P(on path) ranks the nodes instead);
 - `c2t:CKPT` over thresholds = quantiles of its head's scores on the trace rows, every level grown (`nodes` = the
-  largest N: the threshold alone prunes, as C2T publishes).
+  largest N: the threshold alone prunes, as C2T publishes);
+- `eagle2_threshold` and `learned_tree_threshold`: C2T's pruning rule on the joint probability (training-free) and
+  on the learned head's P — the ablation that separates what a classifier adds from what threshold pruning (a
+  tree size that follows the draft's confidence round by round, where a fixed N does not) adds.
 A point is (τ = tokens per round, verified nodes per round) as ratios of per-prompt sums (and its cost-model speedup).
 
 Node saving (C2T's measure): at the reference point (eagle2 at N = `reference_nodes`) τ_ref and nodes_ref; a family's
@@ -32,7 +35,7 @@ from eval.tree_replay import (COLUMNS, builders, candidates_from_columns, check_
 from utils.cli import UserError, command, hydra_entry, output_dir
 from utils.files import write_text_atomic
 
-FAMILIES = ("eagle2", "learned_tree", "c2t")
+FAMILIES = ("eagle2", "eagle2_threshold", "learned_tree", "learned_tree_threshold", "c2t")
 
 
 def build_one(cfg: DictConfig, spec: str, params: dict, tree: dict, profile):
@@ -56,18 +59,24 @@ def sweep(cfg: DictConfig, cands, tree: dict, profile, scores_of) -> tuple[dict,
     `scores_of(builder)`: a learned builder's head scores per trace row (eval.tree_replay.head_scores), read once per
     checkpoint."""
     grid = sorted({int(n) for n in cfg.grid.nodes} | {int(cfg.reference_nodes)})
-    specs = {"eagle2": "eagle2"}
+    # family -> (builder spec, knob): a fixed N (every level grown, the N most likely verified) or a threshold on
+    # the builder's acceptance estimate (C2T's pruning; on eagle2's joint it is the training-free ablation that tells
+    # the classifier's gain from the pruning rule's)
+    specs = {"eagle2": ("eagle2", "N"), "eagle2_threshold": ("eagle2", "threshold")}
     if cfg.get("learned"):
-        specs["learned_tree"] = f"learned_tree:{cfg.learned}"
+        specs["learned_tree"] = (f"learned_tree:{cfg.learned}", "N")
+        specs["learned_tree_threshold"] = (f"learned_tree:{cfg.learned}", "threshold")
     if cfg.get("c2t"):
-        specs["c2t"] = f"c2t:{cfg.c2t}"
+        specs["c2t"] = (f"c2t:{cfg.c2t}", "threshold")
+    joints = np.concatenate([np.asarray(t.joint, dtype=float) for c in cands for t in c.trees])
     out, notes = {}, {}
-    for fam, spec in specs.items():
+    for fam, (spec, knob) in specs.items():
         b, note = build_one(cfg, spec, {}, tree, profile)
         scores = scores_of(b)
-        if fam == "c2t":  # descending thresholds: growing trees
-            qs = sorted((float(q) for q in cfg.grid.c2t_quantiles), reverse=True)
-            params = [{"threshold": float(np.quantile(scores, q)), "N": max(grid), "_quantile": q} for q in qs]
+        if knob == "threshold":  # descending thresholds: growing trees
+            qs = sorted((float(q) for q in cfg.grid.threshold_quantiles), reverse=True)
+            ranked = joints if scores is None else scores
+            params = [{"threshold": float(np.quantile(ranked, q)), "N": max(grid), "_quantile": q} for q in qs]
         else:
             params = [{"N": n} for n in grid]
         out[fam] = []
@@ -227,7 +236,7 @@ def run(cfg: DictConfig) -> dict:
     res = {"settings": {"command": command("eval.tree_sweep"), "traces": str(folder), "pair": manifest.get("pair_id"),
                         "prompts": len(cands), "tree": tree, "learned": cfg.get("learned"), "c2t": cfg.get("c2t"),
                         "reference_nodes": int(cfg.reference_nodes), "grid": grid,
-                        "c2t_quantiles": list(cfg.grid.c2t_quantiles), "resamples": int(cfg.resamples),
+                        "threshold_quantiles": list(cfg.grid.threshold_quantiles), "resamples": int(cfg.resamples),
                         "interval": "95% percentile bootstrap over prompts, paired across families",
                         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())},
            "curves": table(curves), "node_saving": node_saving(curves, grid.index(int(cfg.reference_nodes)),

@@ -20,7 +20,7 @@ TEXTS = ("def f(x):", "import os\nclass A:", "hello world", "for i in range(3):"
 
 def sweep_cfg(**over):
     base = {"policies": [], "policy": {}, "temperature": 0.0, "tuned": None, "learned": None, "c2t": None,
-            "grid": {"nodes": [1, 2, 4, 32], "c2t_quantiles": [0.3, 0.6, 0.9]}, "reference_nodes": 2}
+            "grid": {"nodes": [1, 2, 4, 32], "threshold_quantiles": [0.3, 0.6, 0.9]}, "reference_nodes": 2}
     return OmegaConf.create({**base, **over})
 
 
@@ -56,7 +56,7 @@ def test_sweep_curves_on_tiny_traces(tiny_sweep):
     from eval.tree_sweep import build_one, curve
 
     cfg, cands, prof, curves, notes = tiny_sweep
-    assert set(curves) == {"eagle2", "learned_tree", "c2t"}
+    assert set(curves) == {"eagle2", "eagle2_threshold", "learned_tree", "learned_tree_threshold", "c2t"}
     assert [p["param"]["N"] for p in curves["eagle2"]] == [1, 2, 4, 32]
     assert [p["param"]["quantile"] for p in curves["c2t"]] == [0.9, 0.6, 0.3]
     assert "capped at the trace depth 3" in notes["eagle2"]
@@ -71,8 +71,9 @@ def test_sweep_curves_on_tiny_traces(tiny_sweep):
             assert acc == sorted(acc)
     for key in ("tokens", "rounds", "nodes"):
         np.testing.assert_array_equal(curves["learned_tree"][-1]["sums"][key], curves["eagle2"][-1]["sums"][key])
-    c2t = curve(curves["c2t"])
-    assert np.all(np.diff(c2t["nodes"]) >= 0) and c2t["nodes"][-1] > c2t["nodes"][0]
+    for fam in ("c2t", "eagle2_threshold", "learned_tree_threshold"):
+        c = curve(curves[fam])
+        assert np.all(np.diff(c["nodes"]) >= 0) and c["nodes"][-1] > c["nodes"][0], fam
 
 
 def test_node_saving_on_the_tiny_sweep(tiny_sweep):
@@ -84,7 +85,7 @@ def test_node_saving_on_the_tiny_sweep(tiny_sweep):
     res = node_saving(curves, 1, resamples=300)
     e = curve(curves["eagle2"])
     assert res["reference"] == {"tau": pytest.approx(e["tau"][1]), "nodes": pytest.approx(e["nodes"][1])}
-    assert set(res["families"]) == {"learned_tree", "c2t"}
+    assert set(res["families"]) == {"eagle2_threshold", "learned_tree", "learned_tree_threshold", "c2t"}
     r = res["families"]["learned_tree"]
     assert r["nodes"] is not None and r["saving"] == pytest.approx(1 - r["nodes"] / e["nodes"][1])
     assert r["saving_ci"] is not None and r["saving_ci"][0] <= r["saving"] <= r["saving_ci"][1]
@@ -234,11 +235,11 @@ def test_sweep_cli_end_to_end(tmp_path, cli, tiny_pair):
     out = tmp_path / "out"
     done = cli("eval.tree_sweep", f"traces={folder}", f"out_dir={out}", "pair=tiny_random",
                f"learned={ckpt['tree_node']}", f"c2t={ckpt['c2t']}", "prompts=3", "resamples=100",
-               "grid.nodes=[1,2,4]", "reference_nodes=2", "grid.c2t_quantiles=[0.2,0.8]")
+               "grid.nodes=[1,2,4]", "reference_nodes=2", "grid.threshold_quantiles=[0.2,0.8]")
     assert done.returncode == 0, done.stderr[-2000:]
     res = json.loads((out / "tree_sweep.json").read_text())
-    assert [len(res["curves"][f]) for f in ("eagle2", "learned_tree", "c2t")] == [3, 3, 2]
+    assert [len(res["curves"][f]) for f in ("eagle2", "learned_tree", "c2t", "eagle2_threshold")] == [3, 3, 2, 2]
     assert res["settings"]["prompts"] == 3 and res["settings"]["command"].startswith("python -m eval.tree_sweep")
     assert res["node_saving"]["reference"]["nodes"] == pytest.approx(res["curves"]["eagle2"][1]["nodes"])
-    assert set(res["node_saving"]["families"]) == {"learned_tree", "c2t"}
+    assert set(res["node_saving"]["families"]) == {"eagle2_threshold", "learned_tree", "learned_tree_threshold", "c2t"}
     assert (out / "tree_sweep.png").stat().st_size > 1000 and "| eagle2 | N=2 |" in (out / "tree_sweep.md").read_text()
