@@ -9,8 +9,8 @@ the builder picks nodes from the recorded tree (`pick`, decode.tree_builders), t
 on-path picked node (its ancestors are picked: picks are ancestor-closed, and checked), the round emits accepted + 1
 tokens and t advances by that. Builders: `policies` (the tree builders of conf/policy/, built as decode builds them,
 sized on the trace's cost profile) and the chains `chain_K` (K rank-1 nodes, the width-1 tree = greedy chain
-drafting of K tokens) for K = 1 .. the trace depth, so the best tree is compared with the best chain
-(`best_tree_vs_chain`).
+drafting of K tokens) for K = 1 .. the trace depth and `chain_ev` (the expected-value stop rule's chain), so the best
+tree is compared with the best chain (`best_tree_vs_chain`).
 
 Agreement with decode: eagle2 with the trace's top-k picks exactly decode's nodes, so its rounds are decode's up to
 draft numerics (decode's draft cache is built round by round, the trace's position by position: near-tied joints can
@@ -133,10 +133,14 @@ def replay_prompt(builder, cand: Candidates, profile) -> dict:
 
 
 def chains(depth: int, profile) -> dict:
-    """The width-1 trees: K rank-1 nodes (greedy chain drafting of K tokens) for K = 1 .. depth."""
-    from decode.tree_builders import TreeStatic
+    """The width-1 trees: K rank-1 nodes (greedy chain drafting of K tokens) for K = 1 .. depth, and `chain_ev`, the
+    rank-1 chain under the expected-value stop rule (`expected_value` with a=1, b=0: a one-node Sequoia shape whose
+    spine runs to `depth`, drafted while the next token pays), the adaptive chain the cost-aware builders contain."""
+    from decode.tree_builders import Sequoia, TreeStatic
 
-    return {f"chain_{k}": TreeStatic(branching=[1] * k, max_depth=k, profile=profile) for k in range(1, depth + 1)}
+    out = {f"chain_{k}": TreeStatic(branching=[1] * k, max_depth=k, profile=profile) for k in range(1, depth + 1)}
+    out["chain_ev"] = Sequoia(rank_probs=[1.0], max_nodes=1, max_depth=1, spine_depth=depth, profile=profile)
+    return out
 
 
 def builders(cfg: DictConfig, tree: dict, profile) -> tuple[dict, dict]:

@@ -33,7 +33,9 @@ WRITERS = [
     ("eval.collect", ("eval/collect.py",), ("collect.json", "collect.md", "collect.png")),
     ("eval.k_sweep", ("eval/k_sweep.py",), ("k_sweep.json", "k_sweep.md", "k_sweep.png")),
     ("eval.tree_ceiling", ("eval/tree_ceiling.py",), ("ceiling.json", "ceiling.md")),
-    ("eval.tree_replay", ("eval/tree_replay.py",), ("tree_replay.json", "tree_replay.md")),
+    ("eval.tree_replay", ("eval/tree_replay.py",), ("tree_replay.json", "tree_replay.md", "speedup.png")),
+    ("eval.tree_sweep", ("eval/tree_sweep.py",), ("tree_sweep.json", "tree_sweep.md", "tree_sweep.png")),
+    ("eval.tree_bar", ("eval/tree_bar.py", "conf/tree_bar.yaml"), ("bar.json", "bar.md")),
     ("eval.bar", ("eval/bar.py", "conf/bar.yaml"), ("bar.json",)),
 ]
 

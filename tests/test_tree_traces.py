@@ -229,7 +229,7 @@ def test_cli_end_to_end(tmp_path, cli):
               "resamples=200", "policy.eagle2.topk=3")
     assert rep.returncode == 0, rep.stderr[-2000:]
     res = json.loads((out / "tree_replay.json").read_text())
-    assert set(res["builders"]) == {"tree_static", "sequoia", "eagle2", "chain_1", "chain_2", "chain_3"}
+    assert set(res["builders"]) == {"tree_static", "sequoia", "eagle2", "chain_1", "chain_2", "chain_3", "chain_ev"}
     assert res["settings"]["prompts"] == 2 and "best_tree_vs_chain" in res
     assert all(r["tau"] >= 1.0 for r in res["builders"].values())
     assert "| eagle2 |" in (out / "tree_replay.md").read_text()
