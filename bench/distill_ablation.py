@@ -21,10 +21,12 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from bench import command, repo_path
 from utils.cli import UserError, hydra_entry
+from utils.files import write_text_atomic
 
 METRICS = (("heldout_sum_min", "held-out Σmin(p,q)"), ("heldout_greedy_agree", "held-out greedy agreement"),
            ("heldout_text_sum_min", "WikiText-2 Σmin(p,q)"))
@@ -35,15 +37,40 @@ def run_variant(cfg: DictConfig, name: str, overrides: list[str]) -> dict:
     run = f"ablation-{name}"
     run_dir = repo_path(cfg.log_dir) / "distill" / run
     out = run_dir / "student.json"
-    if not out.is_file():
-        args = [sys.executable, "-m", "train.distill", f"name={run}", f"hydra.run.dir={run_dir}", f"data.responses={cfg.responses}",
-                f"data.max_shards={int(cfg.shards)}", f"train.max_steps={int(cfg.steps)}", f"seed={int(cfg.seed)}",
-                "measure_cost=false",
-                *[str(o) for o in cfg.base], *overrides]
+    recipe = [f"data.responses={cfg.responses}", f"data.max_shards={int(cfg.shards)}", f"train.max_steps={int(cfg.steps)}",
+              f"seed={int(cfg.seed)}", *[str(o) for o in cfg.base], *overrides]
+    if out.is_file():
+        check_finished(run_dir, recipe)
+    else:
+        args = [sys.executable, "-m", "train.distill", f"name={run}", f"hydra.run.dir={run_dir}", "measure_cost=false",
+                *recipe]
         print("$ " + " ".join(args[1:]), flush=True)
         if subprocess.run(args, cwd=repo_path(".")).returncode != 0 or not out.is_file():
             raise UserError(f"the {name} run did not finish (see {run_dir}); rerun this command to resume it")
     return json.loads(out.read_text())
+
+
+def check_finished(run_dir: Path, recipe: list[str]) -> None:
+    """A finished run is reused only if it was trained with this ablation's recipe (its train_signature.json holds
+    every `key=value` of `recipe` that a signature records): a run left by another ablation (other shards, steps,
+    data) is refused in one line, never silently reported as this one."""
+    path = run_dir / "train_signature.json"
+    sig = json.loads(path.read_text()) if path.is_file() else {}
+    missing = object()
+    differ = []
+    for item in recipe:
+        key, _, want = item.partition("=")
+        got: object = sig
+        for part in key.split("."):
+            got = got.get(part, missing) if isinstance(got, dict) else missing
+        if got is missing:  # not part of a run's recipe (pair=, train.val_every=, ...): train.distill checks those
+            continue
+        value = yaml.safe_load(want) if want else want  # the override's value as the run's config held it
+        if got != value and str(got) != str(value):
+            differ.append(f"{key} {got} (want {want})")
+    if differ:
+        raise UserError(f"{run_dir} holds a finished run with another recipe ({'; '.join(differ)}); delete it or pass "
+                        "log_dir=<another folder> to run this ablation")
 
 
 def table(rows: dict) -> str:
@@ -75,11 +102,11 @@ def run(cfg: DictConfig) -> dict:
               "winner": winner, "variants": rows, "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     out = repo_path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "distill_ablation.json").write_text(json.dumps(result, indent=1) + "\n")
+    write_text_atomic(out / "distill_ablation.json", json.dumps(result, indent=1) + "\n")
     md = (f"`{result['command']}` ({result['date_utc']}; {cfg.steps} steps each on the first {cfg.shards} shards, "
           f"same seed)\n\n{table(rows)}\n\n"
           f"Winner by held-out Σmin(p,q): **{winner}**.\n")
-    (out / "distill_ablation.md").write_text(md)
+    write_text_atomic(out / "distill_ablation.md", md)
     print(md)
     return result
 

@@ -323,7 +323,7 @@ def test_cli_bad_input_one_line(cli, tmp_path):
     r = cli(*BASE, "policies=[constant,nope]", f"out_dir={tmp_path / 'x'}")
     assert r.returncode == 2
     lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: unknown policy 'nope'; known: target, adaedl, constant"), r.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: unknown policy 'nope'; known: target, adaedl, c2t, constant"), r.stderr
     assert not (tmp_path / "x").exists()
 
 

@@ -149,6 +149,13 @@ def test_ablation_trains_every_variant_on_the_same_shards_and_names_a_winner(tmp
     assert set(res["variants"]) == {"fkl", "tv"} and res["winner"] in res["variants"]
     assert all(v["steps"] == 3 for v in res["variants"].values())
     assert "Winner" in (tmp_path / "res" / "distill_ablation.md").read_text()
+    again = run_cli("bench.distill_ablation", f"responses={dd.out_folder(cfg)}", "shards=1", "steps=3",
+                    "variants=[fkl,tv]", base, f"log_dir={tmp_path / 'logs'}", f"out_dir={tmp_path / 'res'}")
+    assert again.returncode == 0 and "$ " not in again.stdout  # finished runs of this recipe are reused
+    other = run_cli("bench.distill_ablation", f"responses={dd.out_folder(cfg)}", "shards=1", "steps=4",
+                    "variants=[fkl]", base, f"log_dir={tmp_path / 'logs'}", f"out_dir={tmp_path / 'res2'}")
+    assert other.returncode != 0 and "another recipe (train.max_steps 3 (want 4))" in other.stderr
+    assert not (tmp_path / "res2").exists()
 
 
 def test_job_refuses_a_folder_of_other_settings(tmp_path):
