@@ -163,7 +163,7 @@ def test_sprinter_is_approximate():
 
 
 def test_bad_specs_give_one_clear_error():
-    with pytest.raises(UserError, match="known: target, adaedl, constant"):
+    with pytest.raises(UserError, match="known: target, adaedl, c2t, constant"):
         parse_spec("nope")
     with pytest.raises(UserError, match="takes no checkpoint"):
         parse_spec("svip:/x.ckpt")
