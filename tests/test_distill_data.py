@@ -251,3 +251,25 @@ def test_on_policy_batch_is_the_students_continuation_scored_by_the_teacher(tiny
     top = p[len(prompt) - 1 : len(prompt) - 1 + n].topk(3, -1)
     assert torch.equal(batch["idx"].long(), top.indices)  # the teacher's top-k on the student's tokens
     assert torch.isfinite(module.training_step(batch, 0))
+
+
+def test_text_chunks_take_the_responses_topk(tmp_path, tiny_pair):
+    """With data.responses the WikiText-2 text is teacher-scored at the responses' top-k: a batch holds one width
+    (a 32-wide responses folder beside 64-wide text failed in collate on the real pair)."""
+    from omegaconf import OmegaConf
+
+    from train.distill import build_data
+
+    cfg = compose_data(tmp_path, "max_shards=1")
+    dd.run(cfg)
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        dcfg = compose("distill", overrides=[
+            "pair=tiny_random", f"data.responses={dd.out_folder(cfg)}", f"data.cache_dir={tmp_path / 'cache'}",
+            "data.text.chunks=2", "data.text.chunk_tokens=16", "data.heldout=[{dataset: mbpp, split: validation, limit: 1}]",
+            "data.heldout_text_chunks=1"])
+    assert int(dcfg.data.topk) != 4
+    train, *_ = build_data(tiny_pair, dcfg)
+    sources = {str(it.get("source", "text")) for it in train}
+    assert len(sources) > 1 and len(train) > len(dd.load_items(dd.out_folder(cfg))[0])  # responses and text
+    assert {int(it["vals"].shape[-1]) for it in train} == {4}
+    assert OmegaConf.select(dcfg, "data.topk") == 64

@@ -165,13 +165,14 @@ def build_data(pair: Pair, cfg: DictConfig) -> tuple[list[dict], list[dict], lis
     root = Path(os.path.expanduser(str(d.cache_dir))) if d.get("cache_dir") else cache_root(pair.cfg) / "distill"
     root = root / pair.pair_id
     base = (pair.pair_id, pair.tokenizer_hash, CODE_VERSION)
-    train = []
+    train, topk = [], int(d.topk)
     if d.get("responses"):  # python -m train.distill_data's folder (the finished shards; it may still be growing)
         from train.distill_data import load_items
 
         train, made = load_items(Path(os.path.expanduser(str(d.responses))), d.get("max_shards"))
         if made.get("tokenizer_hash") != pair.tokenizer_hash:
             raise UserError(f"data.responses={d.responses} was made with another tokenizer than pair {pair.name}'s")
+        topk = int(made["topk"])  # the text below must match it: a batch holds one top-k width
     for src in ([] if d.get("responses") else d.sources):
         key = cache_key(base, OmegaConf.to_container(src), d.max_new_tokens, d.temperature, d.topk, d.max_len, cfg.seed)
         _, texts = dataset_prompts(pair, src.dataset, src.split, src.get("limit"))
@@ -182,9 +183,9 @@ def build_data(pair: Pair, cfg: DictConfig) -> tuple[list[dict], list[dict], lis
         t = d.text
         prompts, _ = dataset_prompts(pair, t.dataset, t.split, int(t.chunks))
         texts = [f"{p.text} {p.reference}" for p in prompts]
-        key = cache_key(base, OmegaConf.to_container(t), d.topk)
+        key = cache_key(base, OmegaConf.to_container(t), topk)
         train += cached(root / f"text-{t.dataset}-{t.split}-{key}.pt",
-                         lambda: teacher_text(pair, texts, int(d.topk), int(t.chunk_tokens), "teacher on text"))
+                         lambda: teacher_text(pair, texts, topk, int(t.chunk_tokens), "teacher on text"))
     heldout = []
     for src in d.heldout:
         key = cache_key(base, OmegaConf.to_container(src), 64, d.max_len)
