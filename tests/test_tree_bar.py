@@ -143,9 +143,8 @@ def bar_inputs(tmp_path, saving=0.2, saving_ci=(0.05, 0.3), wall_prompts=100):
     sweep = {"settings": {"prompts": 500, "traces": "T", "reference_nodes": 8,
                           "command": "python -m eval.tree_sweep x"},
              "node_saving": {"reference": {"tau": 2.4, "nodes": 8.0}, "families": {
-                 "learned_tree": {"tau": 2.4, "nodes": 8.0 * (1 - saving), "saving": saving,
-                                  "saving_ci": list(saving_ci),
-                                  "tau_at_equal_nodes": 2.6, "note": None},
+                 "learned_tree_threshold": {"tau": 2.4, "nodes": 8.0 * (1 - saving), "saving": saving,
+                                            "saving_ci": list(saving_ci), "tau_at_equal_nodes": 2.6, "note": None},
                  "c2t": {"tau": 2.4, "nodes": 7.0, "saving": 0.125, "saving_ci": [0.0, 0.2], "tau_at_equal_nodes": 2.5,
                          "note": None}}}}
     replay = {"settings": {"prompts": 500, "traces": "T", "command": "python -m eval.tree_replay y"},
