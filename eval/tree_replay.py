@@ -261,7 +261,21 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run(cfg: DictConfig) -> dict:
+@dataclass
+class TreeTraces:
+    """A `tree` trace folder opened for replaying: its rows (`ds`, where learned builders read their head's inputs),
+    manifest, tree settings, cost profile and the first `prompts` prompts' candidate trees."""
+
+    folder: Path
+    ds: object
+    manifest: dict
+    tree: dict
+    profile: CostProfile
+    cands: list[Candidates]
+
+
+def open_traces(cfg: DictConfig) -> TreeTraces:
+    """`cfg.traces` (and `cfg.prompts`) as TreeTraces; a missing or wrong folder is one error line."""
     from data_gen.contract import trace_columns
     from data_gen.store import load_traces
 
@@ -272,8 +286,13 @@ def run(cfg: DictConfig) -> dict:
         raise UserError(f"no traces at {folder}; make them with python -m data_gen trace=tree split=... limit=...")
     ds, manifest = load_traces(folder)
     tree = check_trace(manifest, folder)
-    profile = CostProfile.from_dict(manifest["cost_profile"])
     cands = candidates_from_columns(trace_columns(ds, COLUMNS), int(cfg.prompts) if cfg.get("prompts") else None)
+    return TreeTraces(folder, ds, manifest, tree, CostProfile.from_dict(manifest["cost_profile"]), cands)
+
+
+def run(cfg: DictConfig) -> dict:
+    t = open_traces(cfg)
+    folder, ds, manifest, tree, profile, cands = t.folder, t.ds, t.manifest, t.tree, t.profile, t.cands
     built, notes = builders(cfg, tree, profile)
     built.update(chains(int(tree.get("depth", 5)), profile))
     per = {k: replay(b, cands, profile, head_scores(b, ds, manifest, folder), f"tree_replay {k}")

@@ -25,13 +25,11 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import numpy as np
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from eval.tree_replay import (COLUMNS, builders, candidates_from_columns, check_trace, head_scores, prompt_sums,
-                              replay)
+from eval.tree_replay import builders, head_scores, open_traces, prompt_sums, replay
 from utils.cli import UserError, command, hydra_entry, output_dir
 from utils.files import write_text_atomic
 
@@ -216,21 +214,10 @@ def markdown(res: dict) -> str:
 
 
 def run(cfg: DictConfig) -> dict:
-    from data_gen.contract import trace_columns
-    from data_gen.store import load_traces
-    from models.cost import CostProfile
-
-    if not cfg.get("traces"):
-        raise UserError("pass the trace folder: traces=FOLDER (python -m data_gen trace=tree split=test limit=500)")
-    folder = Path(str(cfg.traces))
-    if not folder.exists():
-        raise UserError(f"no traces at {folder}; make them with python -m data_gen trace=tree split=test limit=500")
     if int(cfg.reference_nodes) < 1:
         raise UserError(f"reference_nodes must be ≥ 1, got {cfg.reference_nodes}")
-    ds, manifest = load_traces(folder)
-    tree = check_trace(manifest, folder)
-    profile = CostProfile.from_dict(manifest["cost_profile"])
-    cands = candidates_from_columns(trace_columns(ds, COLUMNS), int(cfg.prompts) if cfg.get("prompts") else None)
+    t = open_traces(cfg)
+    folder, ds, manifest, tree, profile, cands = t.folder, t.ds, t.manifest, t.tree, t.profile, t.cands
     curves, notes = sweep(cfg, cands, tree, profile, lambda b: head_scores(b, ds, manifest, folder))
     grid = sorted({int(n) for n in cfg.grid.nodes} | {int(cfg.reference_nodes)})
     res = {"settings": {"command": command("eval.tree_sweep"), "traces": str(folder), "pair": manifest.get("pair_id"),
