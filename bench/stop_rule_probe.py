@@ -127,8 +127,8 @@ class RateThreshold(RowScores):
             self.survive = 1.0
         a = self.shift(self.cur[step.position])
         self.survive *= a
-        k, c, v = step.position_in_round + 1, self.rule.c, self.rule.v  # the rule's measured cost curve
-        return self.survive * a <= self.lam * (c + v[k + 1] - v[k])
+        k, time = step.position_in_round + 1, self.rule.time  # the rule's measured round costs
+        return self.survive * a <= self.lam * (time[k + 1] - time[k])
 
 
 LAMBDAS = [round(0.6 + 0.1 * i, 1) for i in range(25)]  # 0.6 .. 3.0 tokens per target step

@@ -178,17 +178,16 @@ class ExpectedValueRule:
 
     The decision rule of SpecDec++ / DSpark / llama.cpp's expected-value drafting, costed with the measured profile
     (models.cost): after k drafted tokens with calibrated acceptance probabilities a_1..a_k, the round yields
-    E = 1 + Σ_j Π_{i≤j} a_i tokens (the target always adds one) for T = k·c + t(k+1)/t(1) target steps. Drafting one
-    more adds Π_{i≤k} a_i · a_next tokens (a_next estimated by a_k) for c + (t(k+2) − t(k+1))/t(1) more; keep going
-    while that raises E/T. Any calibrated score can feed it, so training-free and learned rows share one rule.
+    E = 1 + Σ_j Π_{i≤j} a_i tokens (the target always adds one) for T(k) target steps (`CostProfile.round_steps`:
+    k draft calls, the first cold, and a pass over k + 1 tokens). Drafting one more adds Π_{i≤k} a_i · a_next tokens
+    (a_next estimated by a_k) for T(k+1) − T(k) more; keep going while that raises E/T. Any calibrated score can feed it, so training-free and learned rows share one rule.
     """
 
     def __init__(self, profile, max_len: int):
         if profile is None:
             raise UserError("the expected-value stop rule needs the measured cost profile (models.cost); decode and "
                             "eval.replay pass it — build the policy with profile=...")
-        self.c = float(profile.cost_ratio)
-        self.v = [float(profile.verify_ratio(n)) for n in range(1, max_len + 3)]
+        self.time = [profile.round_steps(k, k) for k in range(max_len + 2)]  # a round of k drafted tokens
         self.reset()
 
     def reset(self):
@@ -200,9 +199,7 @@ class ExpectedValueRule:
         self.k += 1
         self.survive *= a
         self.expected += self.survive
-        k = self.k
-        time = k * self.c + self.v[k]
-        extra = self.c + self.v[k + 1] - self.v[k]
+        time, extra = self.time[self.k], self.time[self.k + 1] - self.time[self.k]
         return self.survive * (a if a_next is None else a_next) * time <= self.expected * extra
 
 

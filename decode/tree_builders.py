@@ -48,10 +48,9 @@ class TreeBuilder(StopPolicy):
         self.profile = profile
 
     def round_cost(self, depth: int, nodes: int) -> float:
-        """A round's time in target steps: `depth` draft calls (one per level, each about a one-token call on a
-        CPU) and a verification pass over the pending token + `nodes`."""
-        c = float(self.profile.cost_ratio)
-        return depth * c + float(self.profile.verify_ratio(nodes + 1))
+        """A round's time in target steps (`CostProfile.round_steps`): `depth` draft calls (one per level, each
+        about a one-token call on a CPU) and a verification pass over the pending token + `nodes`."""
+        return self.profile.round_steps(depth, nodes)
 
     def best_prefix(self, expected: float, levels: int, nodes: int, offers: list[tuple[float, int]]) -> int:
         """How many of `offers` (gain, nodes) — the next level's candidates, best first — to draft: the prefix that

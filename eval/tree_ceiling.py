@@ -81,62 +81,57 @@ def rank_vector(ranks: np.ndarray, max_rank: int) -> dict:
 
 
 def costs(prof, max_nodes: int) -> dict:
-    """The profile as the model reads it: t_target(n) for n = 1..max_nodes+1 (ms), a cold first draft call and a
-    warm one."""
-    last = len(prof.target_ms)
-    # past the measured range: linear from the last two points, never below the last (a noisy negative slope)
-    target = [float(prof.target(n)) if n <= last else max(float(prof.target(n)), prof.target_ms[-1])
-              for n in range(1, max_nodes + 2)]
+    """The profile as the report shows it: t_target(n) for n = 1..max_nodes+1 (ms), a cold first draft call and a
+    warm one. The speedups themselves are costed by `CostProfile.round_steps`."""
+    target = [float(prof.target(n)) for n in range(1, max_nodes + 2)]  # past the measured range: never below the last
     cold = float(prof.draft_cold_ms or prof.draft_ms[0])
     return {"target_ms": target, "draft_ms": float(prof.draft_ms[0]), "draft_cold_ms": cold,
             "target_ratio": [t / target[0] for t in target], "c": float(prof.draft_ms[0]) / target[0],
-            "c_cold": cold / target[0], "measured_max_n": last,
-            "extrapolated": max_nodes + 1 > last, "measured": prof.date,
+            "c_cold": cold / target[0], "measured_max_n": len(prof.target_ms),
+            "extrapolated": max_nodes + 1 > len(prof.target_ms), "measured": prof.date,
             "other_load_cores": prof.extra.get("other_load_cores")}
 
 
-def speedup(e: float, n: int, depth: int, c: dict, flat: bool) -> float:
-    """(1 + E) · t(1) ÷ (draft levels + one target pass over n + 1 tokens)."""
-    t1 = c["target_ms"][0]
-    verify = t1 if flat else c["target_ms"][n]
-    draft = c["draft_cold_ms"] + (depth - 1) * c["draft_ms"] if depth else 0.0
-    return (1.0 + e) * t1 / (draft + verify)
+def speedup(e: float, n: int, depth: int, prof, flat: bool) -> float:
+    """(1 + E) target steps' tokens per round ÷ the round's cost in target steps (`depth` draft calls + one target
+    pass over n + 1 tokens; flat: a pass as cheap as a one-token step)."""
+    return (1.0 + e) / prof.round_steps(depth, 0 if flat else n)
 
 
-def best_chain(p: list[float], max_nodes: int, c: dict, flat: bool) -> dict:
+def best_chain(p: list[float], max_nodes: int, prof, flat: bool) -> dict:
     rows = []
     for k in range(1, max_nodes + 1):
         e = score_tree(p, *chain(k))
-        rows.append({"k": k, "e": e, "speedup": speedup(e, k, k, c, flat)})
+        rows.append({"k": k, "e": e, "speedup": speedup(e, k, k, prof, flat)})
     return max(rows, key=lambda r: r["speedup"])
 
 
-def best_tree(table: TreeTable, n: int, c: dict, flat: bool) -> dict:
+def best_tree(table: TreeTable, n: int, prof, flat: bool) -> dict:
     """Of the depth-bounded optima of size n, the one with the best predicted speedup."""
     best = None
     for d in range(1, n + 1):
         if table.value(n, d) == float("-inf"):
             continue
         t = table.tree(n, d)
-        s = speedup(t.expected_accepted, n, t.depth, c, flat)
+        s = speedup(t.expected_accepted, n, t.depth, prof, flat)
         if best is None or s > best["speedup"] + 1e-12:
             best = {"e": t.expected_accepted, "depth": t.depth, "speedup": s, "parents": list(t.parents),
                     "ranks": list(t.ranks)}
     return best
 
 
-def analyse(rv: dict, c: dict, max_nodes: int) -> dict:
+def analyse(rv: dict, prof, max_nodes: int) -> dict:
     """Per size n and regime the speedup-best static tree and its ratio to the regime's best chain."""
     p = rv["rank_vector"]
     table = TreeTable(p, max_nodes)
-    chains = {reg: best_chain(p, max_nodes, c, reg == "flat") for reg in REGIMES}
+    chains = {reg: best_chain(p, max_nodes, prof, reg == "flat") for reg in REGIMES}
     sizes = []
     for n in range(1, max_nodes + 1):
         if table.value(n, n) == float("-inf"):
             continue  # more nodes than max_rank ranks allow at any depth (never for n ≤ max_nodes with ranks ≥ 1)
         row = {"n": n, "e_max": table.value(n, n)}
         for reg in REGIMES:
-            t = best_tree(table, n, c, reg == "flat")
+            t = best_tree(table, n, prof, reg == "flat")
             row[reg] = {**t, "vs_chain": t["speedup"] / chains[reg]["speedup"]}
         sizes.append(row)
     best = {reg: max(sizes, key=lambda r: r[reg]["speedup"]) for reg in REGIMES}
@@ -208,8 +203,8 @@ def main(cfg: DictConfig) -> dict:
     pair = load_pair(cfg.pair)
     ids = tokenize_prompts(pair, load_prompts(cfg.dataset, str(cfg.split), int(cfg.prompts)), int(cfg.tokens))
     rv = rank_vector(measure_ranks(pair, ids, int(cfg.tokens)), int(cfg.max_rank))
-    c = costs(get_profile(pair, cfg.get("profile")), int(cfg.max_nodes))
-    res = {**about(cfg, pair), **rv, "profile": c, **analyse(rv, c, int(cfg.max_nodes))}
+    prof = get_profile(pair, cfg.get("profile"))
+    res = {**about(cfg, pair), **rv, "profile": costs(prof, int(cfg.max_nodes)), **analyse(rv, prof, int(cfg.max_nodes))}
     out = output_dir(cfg.get("out_dir"))
     write_text_atomic(out / "ceiling.json", json.dumps(res, indent=1))
     write_text_atomic(out / "ceiling.md", markdown(res))

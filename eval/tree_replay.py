@@ -106,15 +106,6 @@ def accepted(tree: Tree, on_path: np.ndarray, picked: list[int]) -> int:
     return best
 
 
-def round_cost(levels: int, nodes: int, profile) -> float:
-    """A round's time in target steps: `levels` draft calls, the first cold when the profile measured it, and one
-    verification pass over the pending token + `nodes`."""
-    c = float(profile.cost_ratio)
-    cold_ms = getattr(profile, "draft_cold_ms", None)
-    cold = float(cold_ms) / float(profile.target_ms[0]) if cold_ms else c
-    return (cold + (levels - 1) * c if levels else 0.0) + float(profile.verify_ratio(nodes + 1))
-
-
 def replay_prompt(builder, cand: Candidates, profile) -> dict:
     """Greedy rounds along y; returns per-round lists (tokens emitted, accepted, nodes, levels) and the cost."""
     t, rounds = 0, {"tokens": [], "accepted": [], "nodes": [], "levels": []}
@@ -127,7 +118,7 @@ def replay_prompt(builder, cand: Candidates, profile) -> dict:
         emit = min(acc + 1, cand.n - t)
         for key, v in zip(rounds, (emit, acc, nodes, levels)):
             rounds[key].append(v)
-        cost += round_cost(levels, nodes, profile)
+        cost += profile.round_steps(levels, nodes)
         t += emit
     return {**rounds, "cost": cost}
 

@@ -97,6 +97,15 @@ class CostProfile:
         """t_target(n) ÷ t_target(1): what a verification pass over n tokens costs in target steps."""
         return self.target(n) / self.target_ms[0]
 
+    def round_steps(self, draft_calls: int, verified: int) -> float:
+        """One speculative round in target steps, as `modeled_ms` costs a later round: `draft_calls` draft calls
+        (a chain's k, a tree's levels), the first cold — right after a target pass — where the profile measured
+        it, and one target pass over the pending token + `verified` drafted tokens (a chain's k, a tree's nodes).
+        The one cost of a round that decode's expected-value rule and tree builders and the replays share."""
+        cold = self.draft_cold_ms if self.draft_cold_ms is not None else self.draft_ms[0]
+        draft = cold + (draft_calls - 1) * self.draft_ms[0] if draft_calls else 0.0
+        return float((draft + self.target(verified + 1)) / self.target_ms[0])
+
     # -- storage ----------------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -138,7 +147,7 @@ def _interp(x, xs, ys):
     else:
         out = np.interp(x_arr, xs, ys)
         lo = (ys[1] - ys[0]) / (xs[1] - xs[0])
-        hi = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+        hi = max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), 0.0)  # a noisy last pair never makes longer passes cheaper
         out = np.where(x_arr < xs[0], ys[0] + lo * (x_arr - xs[0]), out)
         out = np.where(x_arr > xs[-1], ys[-1] + hi * (x_arr - xs[-1]), out)
     return float(out) if np.ndim(out) == 0 else out

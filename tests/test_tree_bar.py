@@ -10,7 +10,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from tests.test_tree_traces import TREE, close_pair, trace_items  # noqa: F401  (close_pair: a fixture)
-from tests.test_trees import _Profile
+from tests.test_trees import _profile
 from utils.cli import UserError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -42,7 +42,7 @@ def tiny_sweep(close_pair, tmp_path_factory):  # noqa: F811
         bundle.calibration = {"temperature": 0.3, "bias": 1.0, "mode": "platt"}  # spread the random head's scores
         ckpts[kind] = str(save_head(bundle, d / f"{kind}.ckpt"))
     cfg = sweep_cfg(learned=ckpts["tree_node"], c2t=ckpts["c2t"])
-    prof = _Profile(slope=0.1, c=0.05)
+    prof = _profile(slope=0.1, c=0.05)
     curves, notes = sweep(cfg, cands, {"topk": 3, "depth": 3, "stride": 1}, prof,
                           lambda b: head_scores(b, cols, {"pair_id": close_pair.pair_id}, "tiny"))
     return cfg, cands, prof, curves, notes

@@ -10,6 +10,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from eval.tree_ceiling import check, speedup
+from models.cost import CostProfile
 from models.tree_dp import TreeTable, best_static_tree, chain, score_tree
 from utils.cli import UserError
 
@@ -69,7 +70,8 @@ def test_score_tree_refuses_bad_trees():
         best_static_tree([0.5, 0.5], 3, max_depth=1)  # three nodes need three ranks at depth 1
 
 
-COSTS = {"target_ms": [10.0] * 20, "draft_ms": 1.0, "draft_cold_ms": 1.0}
+COSTS = CostProfile(key={}, draft_ms=[1.0], target_ms=[10.0] * 20, prefill_lengths=[1], prefill_target_ms=[10.0],
+                    prefill_draft_ms=[1.0], context=1, repeats=1, draft_cold_ms=1.0)
 
 
 def test_high_p1_chain_wins_and_flat_ranks_go_wide():

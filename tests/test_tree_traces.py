@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from data_gen.run import generate, verify_cmd
 from data_gen.store import load_traces
 from tests.test_data_gen import make_cfg
-from tests.test_trees import _Profile
+from tests.test_trees import _profile
 from utils.cli import UserError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -143,15 +143,14 @@ def _candidates():
 def test_replay_on_hand_made_candidates():
     """Chains and a static shape on a hand-made candidate set: τ, nodes and levels by hand."""
     from decode.tree_builders import TreeStatic
-    from eval.tree_replay import chains, replay_prompt, round_cost, summarize
+    from eval.tree_replay import chains, replay_prompt, summarize
 
-    prof = _Profile(slope=0.5, c=0.1)
-    prof.target_ms = [1.0]
+    prof = _profile(slope=0.5, c=0.1)
     cand = _candidates()
     ch = chains(3, prof)
     r3 = replay_prompt(ch["chain_3"], cand, prof)  # t=0: a, c on → 3 tokens; t=3: 1 token (capped at n)
     assert r3["tokens"] == [3, 1] and r3["accepted"] == [2, 0] and r3["nodes"] == [3, 3] and r3["levels"] == [3, 3]
-    assert r3["cost"] == pytest.approx(2 * round_cost(3, 3, prof)) and round_cost(3, 3, prof) == pytest.approx(2.8)
+    assert r3["cost"] == pytest.approx(2 * prof.round_steps(3, 3)) and prof.round_steps(3, 3) == pytest.approx(2.8)
     r1 = replay_prompt(ch["chain_1"], cand, prof)  # t=0: 2 tokens; t=2: 1; t=3: 1
     assert r1["tokens"] == [2, 1, 1] and r1["nodes"] == [1, 1, 1]
     wide = TreeStatic(branching=[2, 2], max_depth=2, profile=prof)  # 6 nodes; b's and c's second child are missing
@@ -160,7 +159,7 @@ def test_replay_on_hand_made_candidates():
     res = summarize({"wide": [rw, rw], "chain_1": [r1, r1]}, resamples=200)
     assert res["builders"]["wide"]["tau"] == pytest.approx(2.0) and res["builders"]["chain_1"]["tau"] == pytest.approx(4 / 3)
     assert res["best_tree"] == "wide" and res["best_chain"] == "chain_1"
-    want = (4 / (2 * round_cost(2, 6, prof))) / (4 / (3 * round_cost(1, 1, prof)))
+    want = (4 / (2 * prof.round_steps(2, 6))) / (4 / (3 * prof.round_steps(1, 1)))
     assert res["best_tree_vs_chain"]["value"] == pytest.approx(want)
 
 
@@ -176,7 +175,7 @@ def test_dynamic_builders_replay_agrees_with_decode(close_pair, name):
     from models.features import feature_kind
     from tests.test_decode import make_head
 
-    prof = _Profile(slope=0.0, c=0.05)
+    prof = _profile(slope=0.0, c=0.05)
     items, rows = trace_items(close_pair, max_new=16, topk=3, depth=3)
     cols = {k: np.concatenate([np.asarray(r[k]) if np.ndim(r[k]) else np.repeat(r[k], r["n"]) for r in rows])
             for k in rows[0] if k != "n"}
@@ -215,7 +214,7 @@ def test_replay_refuses_wrong_traces_and_settings(tmp_path, tiny_pair):
         check_trace({"trace_kind": "tree", "tree": {"stride": 2}}, tmp_path)
     cfg = OmegaConf.create({"policies": ["eagle2"], "policy": {"eagle2": {"topk": 2}}, "temperature": 0.0})
     with pytest.raises(UserError, match="topk"):
-        builders(cfg, {"topk": 4, "depth": 5}, _Profile())
+        builders(cfg, {"topk": 4, "depth": 5}, _profile())
 
 
 def test_cli_end_to_end(tmp_path, cli):

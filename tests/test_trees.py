@@ -9,17 +9,15 @@ import torch
 from scipy.stats import chisquare
 
 from decode.tree import greedy_walk, sample_walk
+from models.cost import CostProfile
 from models.tree import Tree
 
 
-class _Profile:
-    """A cost profile with a flat verification pass (a GPU's t(n)) or one that climbs with n."""
-
-    def __init__(self, slope: float = 0.0, c: float = 0.05):
-        self.cost_ratio, self.slope = c, slope
-
-    def verify_ratio(self, n):
-        return 1.0 + self.slope * (n - 1)
+def _profile(slope: float = 0.0, c: float = 0.05, measured: int = 64) -> CostProfile:
+    """A cost profile with a flat verification pass (a GPU's t(n)) or one that climbs with n: t(n) = 1 + slope·(n − 1)
+    target steps, a draft call c of them (no colder first call)."""
+    return CostProfile(key={}, draft_ms=[c], target_ms=[1.0 + slope * i for i in range(measured)], prefill_lengths=[1],
+                       prefill_target_ms=[1.0], prefill_draft_ms=[c], context=1, repeats=1)
 
 
 def _tree() -> Tree:
@@ -62,23 +60,23 @@ def test_sample_walk_emits_the_targets_distribution():
 def test_builders_degenerate_to_a_chain_where_branching_does_not_pay():
     from decode.tree_builders import Eagle2, TreeStatic
 
-    steep = TreeStatic(branching=[2, 2, 1, 1], rank_probs=[0.6, 0.1], profile=_Profile(slope=0.5))
-    flat = TreeStatic(branching=[2, 2, 1, 1], rank_probs=[0.6, 0.1], profile=_Profile(slope=0.0))
+    steep = TreeStatic(branching=[2, 2, 1, 1], rank_probs=[0.6, 0.1], profile=_profile(slope=0.5))
+    flat = TreeStatic(branching=[2, 2, 1, 1], rank_probs=[0.6, 0.1], profile=_profile(slope=0.0))
     assert steep.max_depth < flat.max_depth == 4
     t = Tree(root_q=torch.tensor([0.05, 0.6, 0.3, 0.05]))
-    eagle = Eagle2(topk=2, max_depth=3, profile=_Profile(slope=0.0))
+    eagle = Eagle2(topk=2, max_depth=3, profile=_profile(slope=0.0))
     kids = eagle.children(t, -1, 1)
     assert [k[0] for k in kids] == [1, 2] and [k[2] for k in kids] == [1, 2]
     for tok, prob, rank in kids:
         t.add(-1, tok, prob, rank)
     assert sorted(eagle.select(t)) == [0, 1]  # a flat pass: both pay
-    costly = Eagle2(topk=2, max_depth=3, profile=_Profile(slope=2.0))
+    costly = Eagle2(topk=2, max_depth=3, profile=_profile(slope=2.0))
     assert costly.select(t) == [] or costly.select(t) == [0]
     from decode.tree_builders import Sequoia
 
-    chain_like = Sequoia(rank_probs=[0.8, 0.05], max_nodes=12, max_depth=8, profile=_Profile(slope=0.3))
+    chain_like = Sequoia(rank_probs=[0.8, 0.05], max_nodes=12, max_depth=8, profile=_profile(slope=0.3))
     assert all(r == 1 for r in chain_like.shape.ranks)  # a steep t(n) and a weak second rank: a chain
-    bushy = Sequoia(rank_probs=[0.4, 0.3, 0.2], max_nodes=12, max_depth=8, profile=_Profile(slope=0.0))
+    bushy = Sequoia(rank_probs=[0.4, 0.3, 0.2], max_nodes=12, max_depth=8, profile=_profile(slope=0.0))
     assert max(bushy.shape.ranks) > 1 and len(bushy.shape.parents) == 12
 
 
@@ -94,7 +92,7 @@ def test_tree_decoding_is_target_greedy(tiny_cfg, forward, policy):
 
     cfg = OmegaConf.merge(tiny_cfg, {"forward": forward})
     pair = load_pair(cfg)
-    prof = _Profile(slope=0.0)
+    prof = _profile(slope=0.0)
     builder = {"tree_static": lambda: TreeStatic(branching=[3, 2, 1], rank_probs=[0.5, 0.3, 0.2], profile=prof),
                "sequoia": lambda: Sequoia(rank_probs=[0.5, 0.3, 0.2], max_nodes=10, max_depth=4, profile=prof),
                "eagle2": lambda: Eagle2(topk=3, max_depth=3, max_nodes=12, profile=prof)}[policy]()
@@ -117,7 +115,7 @@ def test_tree_sampling_first_tokens_match_target_sampling(tiny_cfg):
 
     pair = load_pair(OmegaConf.merge(tiny_cfg, {"forward": "lean"}))
     ids = pair.tokenizer.encode("def f(x):")
-    builder = Eagle2(topk=3, max_depth=2, max_nodes=8, profile=_Profile(slope=0.0))
+    builder = Eagle2(topk=3, max_depth=2, max_nodes=8, profile=_profile(slope=0.0))
     n = 600
     ours, ref = Counter(), Counter()
     for i in range(n):
@@ -159,7 +157,7 @@ def test_sequoia_with_a_chain_shape_is_the_expected_value_chain(close_tiny):
     from decode.policies import ExpectedValue
     from decode.tree_builders import Sequoia
 
-    prof = _Profile(slope=0.004, c=0.002)
+    prof = _profile(slope=0.004, c=0.002)
     seq = Sequoia(rank_probs=[0.9, 0.001], max_nodes=8, max_depth=6, spine_depth=12, profile=prof)
     assert all(r == 1 for r in seq.shape.ranks)
     ev = ExpectedValue(score="max_q", a=1.0, b=0.0, max_len=12, profile=prof)
@@ -180,7 +178,7 @@ def test_dear_draft_calls_cut_the_trees_levels(close_tiny):
 
     for make in (lambda p: Eagle2(topk=3, max_depth=5, max_nodes=12, profile=p),
                  lambda p: Sequoia(rank_probs=[0.5, 0.3, 0.2], max_nodes=8, max_depth=3, spine_depth=6, profile=p)):
-        cheap, dear = calls_per_round(make(_Profile(c=0.001))), calls_per_round(make(_Profile(c=0.6)))
+        cheap, dear = calls_per_round(make(_profile(c=0.001))), calls_per_round(make(_profile(c=0.6)))
         assert dear < cheap
         assert dear >= 1.0
 
@@ -198,7 +196,7 @@ def test_learned_builders_are_target_greedy_and_refuse_chain_heads(close_tiny, n
     bundle = make_head(close_tiny, "tree_node", seed=2)
     bundle.calibration = {"temperature": 0.3, "bias": 2.0, "mode": "platt"}  # a confident random head: trees grow
     extra = {"threshold": 0.2} if name == "c2t" else {}
-    builder = cls(bundle=bundle, topk=3, max_depth=4, max_nodes=12, profile=_Profile(c=0.01), **extra)
+    builder = cls(bundle=bundle, topk=3, max_depth=4, max_nodes=12, profile=_profile(c=0.01), **extra)
     widest = 0
     for text in ("def f(x):", "import os\nclass A:", "hello world"):
         ids = close_tiny.tokenizer.encode(text)
@@ -207,4 +205,4 @@ def test_learned_builders_are_target_greedy_and_refuse_chain_heads(close_tiny, n
         widest = max(widest, max(k for k, _ in res.rounds))
     assert widest > 4  # more nodes than a chain of this depth
     with pytest.raises(UserError, match="needs a node head"):
-        cls(bundle=make_head(close_tiny, "disco"), profile=_Profile())
+        cls(bundle=make_head(close_tiny, "disco"), profile=_profile())
