@@ -94,6 +94,17 @@ def test_distill_cli_tiny(cli, tmp_path):
     init = layer_subset(pair.target, [0])
     assert not torch.equal(student.model.layers[0].mlp.up_proj.weight, init.model.layers[0].mlp.up_proj.weight)
     assert len(list((tmp_path / "cache").rglob("*.pt"))) == 3  # continuations, text, held-out cached for reruns
+    # a warm start from that file begins where it ended: its `before` row is the first run's `after`
+    again = tmp_path / "again.safetensors"
+    common = [a for a in res.args[3:] if not a.startswith(("out=", "hydra.run.dir="))]
+    res2 = cli("train.distill", *common, f"student.init={out}", f"out={again}", f"hydra.run.dir={tmp_path / 'run2'}")
+    assert res2.returncode == 0, res2.stderr[-2000:]
+    first, second = (json.loads(p.with_suffix(".json").read_text()) for p in (out, again))
+    assert first["before"]["heldout_sum_min"] != pytest.approx(first["after"]["heldout_sum_min"], abs=1e-3)
+    assert second["before"] == pytest.approx(first["after"], abs=1e-4)  # float noise between the two evaluations
+    assert second["info"]["recipe"]["student"]["init"] == str(out)
+    res3 = cli("train.distill", *common, "student.layers=[1]", f"student.init={out}", f"hydra.run.dir={tmp_path / 'run3'}")
+    assert res3.returncode == 2 and "student.init" in res3.stderr and "Traceback" not in res3.stderr
 
 
 def test_distill_rejects_test_split_and_bad_layers(cli, tmp_path):

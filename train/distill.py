@@ -379,6 +379,22 @@ def _check_resume(cfg: DictConfig, run_dir: Path) -> None:
     path.write_text(json.dumps(sig, indent=1))
 
 
+def warm_start(student, target, scfg: DictConfig):
+    """Start training from a student file (`student.init`, e.g. the shipped draft or an ablation's best) instead of
+    the target's raw layers: a long run on new data need not relearn what a shorter one already did. The file must
+    hold the same layers (and own norm); returns it loaded, for the `before` row."""
+    start = load_student(target, str(scfg.init))
+    info = start.student_info
+    layers, own_norm = [int(i) for i in scfg.layers], bool(scfg.own_norm)
+    if info["layers"] != layers or ("norm" in info.get("own_modules", [])) != own_norm:
+        raise UserError(f"student.init={scfg.init} holds layers {info['layers']} (own norm: "
+                        f"{'norm' in info.get('own_modules', [])}); set student.layers={info['layers']} and "
+                        f"student.own_norm to match, or pick another file")
+    student.load_state_dict(student_state(start, own_norm, torch.float32), strict=False)
+    print(f"warm start from {scfg.init} (its step {info.get('step')}, {info.get('command', '')})", flush=True)
+    return start
+
+
 def student_subset(cfg: DictConfig, pair: Pair, target) -> torch.Tensor | None:
     """The FR-Spec ids the draft's head will score (`student.vocab_subset`, default: the pair's), or None."""
     n = cfg.student.get("vocab_subset")
@@ -423,8 +439,9 @@ def distill(cfg: DictConfig) -> dict:
         return describe(model, target, pair, heldout, heldout_text, cost_ids, cost, teacher_cache)
 
     student = make_student(target, layers, bool(cfg.student.own_norm))
+    start = warm_start(student, target, cfg.student) if cfg.student.get("init") else layer_subset(target, layers)
     subset = student_subset(cfg, pair, target)
-    rows = {"before": evaluate(layer_subset(target, layers), bool(cfg.measure_cost))}
+    rows = {"before": evaluate(start, bool(cfg.measure_cost))}
     print_table(rows)
     info = {"layers": layers, "own_modules": ["norm"] if cfg.student.own_norm else [], "target": pair.pair_id,
             "tokenizer_hash": pair.tokenizer_hash, "code_version": CODE_VERSION,
