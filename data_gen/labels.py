@@ -10,6 +10,11 @@ Traces keep raw statistics (q(x), p(x), TVD, tokens), so a τ sweep or a new sch
 | accept_prob | soft min(1, p(x)/q(x)) | SpecDec++ |
 | sum_min | soft Σ_v min(p_v, q_v) (= 1 − TVD: the exact sampler's acceptance rate at that position) | DISCO, Leviathan α |
 | on_path | 1[a candidate-tree node's root path is the target's greedy continuation] (tree traces, node heads) | C2T |
+| on_path_given_parent | on_path, on the rows whose parent is on the path (the root's children always): P(accept \| parent accepted), an edge probability composed by product along the path (tree traces, node heads) | EAGLE-2's joint, learned |
+
+Row masks (`make_mask`): a conditional scheme labels only some rows (on_path_given_parent: the nodes whose parent is
+on the path, looked up in the same (prompt_id, position) tree, models.features.parent_rows); train and eval drop the
+other rows before fitting, metrics, calibration and the threshold (a zero weight would not keep them out of metrics).
 
 Row weights (`make_weights`, the loss's per-row weight): `reach_weight` w ∈ [0, 1] down-weights rows a decoder
 would not reach because an earlier token of the same draft round was rejected — weight = R + (1 − R)·w, R = Π of
@@ -34,9 +39,14 @@ SCHEMES = {
     "accept_prob": ("q_draft", "p_draft"),
     "sum_min": ("tvd",),
     "on_path": ("on_path",),
+    "on_path_given_parent": ("on_path", "node", "parent", "prompt_id", "position"),
 }
 SOFT = {"tvd", "accept_prob", "sum_min"}
-NODE_SCHEMES = {"on_path"}  # label token-tree nodes (trace=tree), not chain drafting steps: no reach weighting
+# label token-tree nodes (trace=tree), not chain drafting steps: no reach weighting
+NODE_SCHEMES = {"on_path", "on_path_given_parent"}
+# node schemes whose P is conditional on the parent being on the path: P(on path) is their product along the root
+# path (models.features.compose_path), and they label only the rows `make_mask` keeps
+CONDITIONAL_SCHEMES = {"on_path_given_parent"}
 
 
 def required_columns(cfg: DictConfig) -> tuple[str, ...]:
@@ -59,13 +69,14 @@ def make_labels(columns: dict, cfg: DictConfig) -> np.ndarray:
         if cfg.name in NODE_SCHEMES:
             raise UserError(f"label scheme '{cfg.name}' labels token-tree nodes and these traces lack column(s) {missing}: "
                             "use tree traces (trace=tree) with a node head (model=c2t or model=tree_node)")
-        hint = " (these are token-tree traces: use labels=on_path)" if "on_path" in names else ""
+        hint = (" (these are token-tree traces: use labels=on_path or on_path_given_parent)" if "on_path" in names
+                else "")
         raise UserError(
             f"label scheme '{cfg.name}' needs trace column(s) {missing} that these traces lack{hint}; "
             "regenerate them with this code's data_gen or pick another labels="
         )
     col = {c: np.asarray(columns[c]) for c in needed}
-    if cfg.name == "on_path":
+    if cfg.name in ("on_path", "on_path_given_parent"):  # the latter's rows: make_mask
         return col["on_path"].astype(np.float32)
     if cfg.name == "greedy_match":
         return (col["draft_token"] == col["target_token"]).astype(np.float32)
@@ -80,6 +91,25 @@ def make_labels(columns: dict, cfg: DictConfig) -> np.ndarray:
     if cfg.name == "ratio":
         return (q <= float(cfg.get("tau", 1.0)) * p).astype(np.float32)
     return np.minimum(1.0, p / np.maximum(q, 1e-30)).astype(np.float32)
+
+
+def is_conditional(labels) -> bool:
+    """A node scheme conditional on the parent being on the path (`labels`: a labels config or a checkpoint's dict)."""
+    return str((labels or {}).get("name")) in CONDITIONAL_SCHEMES
+
+
+def make_mask(columns: dict, cfg: DictConfig) -> np.ndarray | None:
+    """The rows scheme `cfg` labels (bool per row), None when it labels every row. on_path_given_parent: the nodes
+    whose parent (in the same (prompt_id, position) tree) is on the path, and the root's children."""
+    if not is_conditional(cfg):
+        return None
+    from models.features import parent_on_path_rows, parent_rows
+
+    make_labels(columns, cfg)  # missing columns → its one-line error
+    try:
+        return parent_on_path_rows(parent_rows(columns), np.asarray(columns["on_path"]))
+    except ValueError as err:
+        raise UserError(f"label scheme '{cfg.name}' looks up each node's parent in its tree: {err}") from None
 
 
 def reach_weight(cfg: DictConfig) -> float:

@@ -403,7 +403,9 @@ class LearnedTree(Eagle2):
     depth and joint — under the expected-value rule: a level is drafted while its offers pay for the draft call, and
     the N nodes verified are those that maximise expected tokens per unit time on the measured profile (`Eagle2`).
     A node's estimate is capped by its parent's (a node cannot be accepted without its parent), so selections stay
-    ancestor-closed."""
+    ancestor-closed. A head trained on labels=on_path_given_parent predicts P(accepted | parent accepted), so its
+    estimate is instead the product of P along the root path (models.features.compose_path), as EAGLE-2's joint is
+    the product of q: a calibrated edge probability composed into P(on path), still never above the parent's."""
 
     name = "learned_tree"
     learned = True
@@ -419,20 +421,23 @@ class LearnedTree(Eagle2):
             raise UserError(f"{self.name} needs a node head (python -m train +experiment=tree_mbpp or c2t_mbpp), got "
                             f"{got}; chain heads go with learned:CKPT")
         self.bundle, self.kind = bundle, kind
+        from data_gen.labels import is_conditional
+
+        self.conditional = is_conditional(bundle.labels)  # P(on path | parent on path): composed by product
 
     def acceptance(self, tree):
         if len(tree.score) < len(tree):  # decode: score the nodes added since (their parents' distributions are known)
             new = list(range(len(tree.score), len(tree)))
             x = self.kind.node_rows(tree, new, self.bundle.spec)
             tree.score.extend(self.bundle.prob(x).reshape(-1).tolist())
-        acc = []
-        for i, p in enumerate(tree.score[: len(tree)]):
-            par = tree.parents[i]
-            acc.append(min(float(p), acc[par]) if par >= 0 else float(p))
-        return acc
+        from models.features import compose_path
+
+        n = len(tree)
+        return compose_path(tree.score[:n], tree.parents[:n], "product" if self.conditional else "min").tolist()
 
     def describe(self):
-        return {**super().describe(), "head": self.bundle.path, "head_kind": self.bundle.spec.kind}
+        return {**super().describe(), "head": self.bundle.path, "head_kind": self.bundle.spec.kind,
+                "head_labels": self.bundle.labels.get("name")}
 
 
 class C2T(LearnedTree):
@@ -448,3 +453,7 @@ class C2T(LearnedTree):
                  max_nodes: int = 32, nodes: int | None = None, profile=None):
         super().__init__(bundle, topk, max_depth, max_nodes, nodes,
                          float(bundle.threshold) if threshold is None and bundle is not None else threshold, profile)
+        if self.conditional:  # its threshold was chosen on the edge P, not on the composed P(on path) C2T prunes by
+            raise UserError(f"c2t prunes on a head's P(on path); {bundle.path} is a labels={bundle.labels['name']} "
+                            "head (P given the parent): use learned_tree:CKPT, with policy.learned_tree.threshold=T "
+                            "to prune")

@@ -11,6 +11,13 @@ A token-tree node head (c2t, tree_node: its feature kind has `tree`) is evaluate
 `trace=tree` folder (labels on_path), with what differs taken from its feature kind: the training-free baselines are
 the joint probability and q_token (`FeatureKind.baselines`), the position buckets are by depth − 1 (the node's place on
 its drafted path, `FeatureKind.positions`), and the chain-only static-length F1 is left out (None).
+
+A node head is also read two ways whatever its label scheme (`node_views`, train's test report too): `path` — label
+on_path over every node, the head's P(on path) (a conditional head's P composed by product along the root path,
+models.features.compose_path) against the joint probability and q_token; `cond` — the nodes whose parent is on the
+path (the root's children always), label on_path, the head's own P against the same baselines. The main numbers are
+on the rows the head's scheme labels (all nodes for on_path; the `cond` rows for on_path_given_parent, whose row mask
+`data_gen.labels.make_mask` applies to every metric, the calibration and the thresholds).
 """
 
 from __future__ import annotations
@@ -116,9 +123,35 @@ def sprinter_report(cols: dict, scores: np.ndarray, threshold: float, starts: np
     return out
 
 
+def node_views(scores, on_path, parent_row, base: dict, names, conditional: bool) -> dict:
+    """A node head's AUROC in the two views (module docstring), each beside the training-free scores on its rows.
+
+    `scores`: the head's P on every node of the trees; `on_path`, `parent_row` (models.features.parent_rows) and
+    `base` (the trace columns of the baselines `names`, eval.metrics.BASELINES) on the same rows; `conditional`: the
+    head predicts P(on path | parent on path) (data_gen.labels.is_conditional), so its path view is the product along
+    the path. Returns {"path" | "cond": {rows, positive_rate, auroc, auroc_<baseline>, ...}, "path_score": what the
+    path view ranks by}."""
+    from eval.metrics import classification_metrics
+    from models.features import compose_path, parent_on_path_rows
+
+    s = np.asarray(scores, dtype=np.float64)
+    y = np.asarray(on_path).astype(np.float32)
+    cond = parent_on_path_rows(parent_row, on_path)
+    path = compose_path(s, parent_row, "product") if conditional else s
+    out: dict = {"path_score": "product of P along the root path" if conditional else "P"}
+    for view, sel, head in (("path", np.ones(len(s), bool), path), ("cond", cond, s)):
+        yy = y[sel]
+        row = {"rows": int(sel.sum()), "positive_rate": float(yy.mean()) if len(yy) else math.nan,
+               "auroc": classification_metrics(head[sel], yy, 0.5)["auroc"]}
+        rows_base = {c: v[sel] for c, v in base.items()}
+        row.update({f"auroc_{k}": v for k, v in baseline_auroc(rows_base, yy, names).items()})
+        out[view] = row
+    return out
+
+
 def evaluate(bundle, ds, manifest: dict, folder: Path) -> dict:
     """Every item-1 number (and item 3 for SPRINTER heads) for one checkpoint on one loaded trace split."""
-    from data_gen.labels import make_labels
+    from data_gen.labels import make_labels, make_mask
     from eval.metrics import best_f1_threshold, classification_metrics, roc_pr_points, static_length_f1
     from models.features import continuation_starts, features_from_columns
     from models.heads import head_family
@@ -140,12 +173,26 @@ def evaluate(bundle, ds, manifest: dict, folder: Path) -> dict:
                                      + tuple(kind.position_columns) + baseline_columns(kind.baselines)) if c in names]
     if not bundle.spec.reads_hidden and "draft_hidden" in want:
         want.remove("draft_hidden")
+    if kind.tree:  # the two node views need each node's parent row and label
+        want += [c for c in ("on_path", "node", "parent", "prompt_id", "position") if c in names and c not in want]
     cols = trace_columns(ds, want)
     y = make_labels(cols, labels_cfg)
     x = features_from_columns(cols, bundle.spec)
     scores = torch.cat([bundle.prob(chunk) for chunk in torch.split(x, 65536)]).cpu().numpy().astype(np.float64)
     if not np.isfinite(scores).all():
         raise UserError(f"checkpoint {bundle.path} produced non-finite scores on {folder}; the head is broken, retrain it")
+    views = None
+    if kind.tree and "on_path" in cols:
+        from data_gen.labels import is_conditional
+        from models.features import parent_rows
+
+        base = {c: cols[c] for c in baseline_columns(kind.baselines) if c in cols}
+        views = node_views(scores, cols["on_path"], parent_rows(cols), base, kind.baselines,
+                           is_conditional(bundle.labels))
+    mask = make_mask(cols, labels_cfg)  # a conditional scheme's rows: every number below is on them
+    if mask is not None:
+        cols = {c: v[mask] for c, v in cols.items()}
+        y, scores = y[mask], scores[mask]
     round_pos = np.asarray(kind.positions(cols))  # chain: position in the draft round; tree node: depth − 1
     cont_pos = np.asarray(cols["position"]).astype(np.int64)
     at_ckpt = classification_metrics(scores, y, bundle.threshold)
@@ -185,6 +232,8 @@ def evaluate(bundle, ds, manifest: dict, folder: Path) -> dict:
         "baseline_auroc": baseline_auroc(cols, y, kind.baselines),
         "baseline_curves": {k: roc_pr_points(v, y) for k, v in baseline_scores(cols, kind.baselines).items()},
     }
+    if views is not None:
+        report["node_views"] = views
     verifier = head_family(bundle.kind, getattr(bundle, "arch", None)).verifier
     if not kind.tree and verifier and all(c in cols for c in ("q_draft", "p_draft", "tvd")):
         trace_cfg = (manifest.get("config") or {}).get("trace") or {}
@@ -241,6 +290,18 @@ def markdown(reports: list[dict], names: list[str]) -> str:
         for n, r in zip(names, reports):
             b = r.get("baseline_auroc") or {}
             lines.append(f"| {n} | {_fmt(r['auroc'])} | " + " | ".join(_fmt(b.get(k)) for k in base) + " |")
+    if any(r.get("node_views") for r in reports):  # node heads: both views, whatever the scheme (node_views)
+        lines += ["", "Node heads in two views (AUROC; path: label on_path over every node, a conditional head's P "
+                  "composed by product along the path; cond: the nodes whose parent is on the path, the head's own P):",
+                  "", "| checkpoint | labels | path rows | path: head | joint | q(token) | cond rows | cond: head | "
+                  "joint | q(token) |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for n, r in zip(names, reports):
+            v = r.get("node_views")
+            if v:
+                cells = [f"{v[w]['rows']} | " + " | ".join(_fmt(v[w].get(k)) for k in ("auroc", "auroc_joint",
+                                                                                       "auroc_q_token"))
+                         for w in ("path", "cond")]
+                lines.append(f"| {n} | {r['labels'].get('name', '?')} | {cells[0]} | {cells[1]} |")
     for n, r in zip(names, reports):
         conf = r["confusion"]
         lines.append(f"\n{n}: confusion at thr {r['threshold']:.3f}: tp {conf['tp']} fp {conf['fp']} tn {conf['tn']} fn {conf['fn']}; traces {r['traces']}")
@@ -347,10 +408,14 @@ def run(cfg: DictConfig) -> dict:
             "k_static_best", "rows", "kind", "ckpt", "traces", "baseline_auroc")
     if len(reports) == 1:
         report.update({k: reports[0][k] for k in keys})
+        if "node_views" in reports[0]:
+            report["node_views"] = reports[0]["node_views"]
         if "sprinter_theory" in reports[0]:
             report["sprinter_theory"] = reports[0]["sprinter_theory"]
     else:
         report["comparison"] = {k: {n: r[k] for n, r in zip(names, reports)} for k in keys}
+        if any("node_views" in r for r in reports):
+            report["comparison"]["node_views"] = {n: r.get("node_views") for n, r in zip(names, reports)}
     report["plots"] = {p.stem: str(p) for p in pngs}
     md = markdown(reports, names)
     (out / "report.json").write_text(json.dumps(_jsonable(report), indent=2))

@@ -10,8 +10,9 @@ top-k, max_depth capped at the trace depth):
 - `c2t:CKPT` over thresholds = quantiles of its head's scores on the trace rows, every level grown (`nodes` = the
   largest N: the threshold alone prunes, as C2T publishes);
 - `eagle2_threshold` and `learned_tree_threshold`: C2T's pruning rule on the joint probability (training-free) and
-  on the learned head's P — the ablation that separates what a classifier adds from what threshold pruning (a
-  tree size that follows the draft's confidence round by round, where a fixed N does not) adds.
+  on the learned head's P (a conditional head's, labels=on_path_given_parent: its product along the path, and the
+  thresholds quantiles of that, `path_scores`) — the ablation that separates what a classifier adds from what
+  threshold pruning (a tree size that follows the draft's confidence round by round, where a fixed N does not) adds.
 A point is (τ = tokens per round, verified nodes per round) as ratios of per-prompt sums (and its cost-model speedup).
 
 Node saving (C2T's measure): at the reference point (eagle2 at N = `reference_nodes`) τ_ref and nodes_ref; a family's
@@ -73,7 +74,7 @@ def sweep(cfg: DictConfig, cands, tree: dict, profile, scores_of) -> tuple[dict,
         scores = scores_of(b)
         if knob == "threshold":  # descending thresholds: growing trees
             qs = sorted((float(q) for q in cfg.grid.threshold_quantiles), reverse=True)
-            ranked = joints if scores is None else scores
+            ranked = joints if scores is None else path_scores(b, cands, scores)
             params = [{"threshold": float(np.quantile(ranked, q)), "N": max(grid), "_quantile": q} for q in qs]
         else:
             params = [{"N": n} for n in grid]
@@ -87,6 +88,18 @@ def sweep(cfg: DictConfig, cands, tree: dict, profile, scores_of) -> tuple[dict,
         if note:
             notes[fam] = note
     return out, notes
+
+
+def path_scores(builder, cands, scores: np.ndarray) -> np.ndarray:
+    """The scores a learned builder's threshold is read against: its head's P per trace row, or for a conditional
+    head (labels=on_path_given_parent, P given the parent) the product along each recorded tree's root path
+    (models.features.compose_path), the P(on path) it prunes by — over the replayed prompts' nodes."""
+    if not getattr(builder, "conditional", False):
+        return scores
+    from models.features import compose_path
+
+    return np.concatenate([compose_path(scores[rows], t.parents, "product") for c in cands
+                           for t, rows in zip(c.trees, c.rows)])
 
 
 def counts(idx: np.ndarray, n: int) -> np.ndarray:

@@ -708,8 +708,9 @@ class DiscoPlusFeatures(DiscoFeatures):
 # ------------------------------------------------------------------------------------- token-tree node kinds
 
 
-def parent_q_column(columns: dict):
-    """Per tree-trace row, its parent node's own q_token (1.0 for the root's children), read off the parent's row.
+def parent_rows(columns: dict):
+    """Per tree-trace row, the row of its parent node in the same (prompt_id, position) tree; −1 for the root's
+    children. Node ids index within one tree, so the lookup is by (prompt_id, position, node).
 
     data_gen writes a tree's nodes as consecutive rows in node order (node i is row start + i), so the parent's row is
     row − node + parent; a reordered table (checked) falls back to a lookup by (prompt_id, position, node)."""
@@ -717,7 +718,6 @@ def parent_q_column(columns: dict):
 
     node = _np(columns["node"]).astype(np.int64)
     parent = _np(columns["parent"]).astype(np.int64)
-    q = _np(columns["q_token"]).astype(np.float32)
     keys = [_np(columns[c]) for c in ("prompt_id", "position") if c in columns]
     n, has = len(node), parent >= 0
     rows = np.where(has, np.arange(n) - node + parent, np.arange(n))  # a root child points at itself (unused)
@@ -730,11 +730,55 @@ def parent_q_column(columns: dict):
         where = {(*(key[i] for key in keys), int(node[i])): i for i in range(n)}
         rows = np.array([where.get((*(key[i] for key in keys), int(parent[i])), -1) if has[i] else i for i in range(n)],
                         dtype=np.int64)
-        if (rows < 0).any():
+        if (rows[has] < 0).any():
             raise ValueError("tree trace rows name a parent node missing from the table; load whole trees")
-    out = np.ones(len(node), dtype=np.float32)
-    out[has] = q[rows[has]]
+    return np.where(has, rows, -1)
+
+
+def parent_q_column(columns: dict):
+    """Per tree-trace row, its parent node's own q_token (1.0 for the root's children), read off the parent's row
+    (`parent_rows`)."""
+    import numpy as np
+
+    rows = parent_rows(columns)
+    q = _np(columns["q_token"]).astype(np.float32)
+    out = np.ones(len(rows), dtype=np.float32)
+    out[rows >= 0] = q[rows[rows >= 0]]
     return out
+
+
+def parent_on_path_rows(parents, on_path):
+    """The nodes whose parent is on the accepted path (the root's children always): the rows of the conditional
+    task P(on path | parent on path) (labels=on_path_given_parent). `parents`: per row its parent's row, −1 at the
+    root (`parent_rows`, or a models.tree.Tree's `parents`, where node i is row i)."""
+    import numpy as np
+
+    par = np.asarray(parents, dtype=np.int64)
+    on = np.asarray(on_path).astype(bool)
+    out = par < 0
+    out[~out] = on[par[~out]]
+    return out
+
+
+def compose_path(scores, parents, how: str = "product"):
+    """Per node, its score composed along its root path: `product` (acc = P · acc[parent], a conditional head's
+    P(on path | parent on path) → P(on path), as EAGLE-2's joint composes q) or `min` (acc = min(P, acc[parent]),
+    an unconditional head's P capped by its parent's). `parents` as in `parent_on_path_rows`; any row order."""
+    import numpy as np
+
+    p = np.asarray(scores, dtype=np.float64).reshape(-1)
+    par = np.asarray(parents, dtype=np.int64).reshape(-1)
+    op = {"product": np.multiply, "min": np.minimum}.get(how)
+    if op is None:
+        raise ValueError(f"compose_path: how must be product or min, got '{how}'")
+    acc, done = p.copy(), par < 0
+    while not done.all():  # one level per pass: the nodes whose parent is composed
+        ready = ~done & done[np.where(done, 0, par)]
+        if not ready.any():
+            raise ValueError("compose_path: a node's parent is missing or on a cycle; pass whole trees")
+        acc[ready] = op(p[ready], acc[par[ready]])
+        done |= ready
+    return acc
 
 
 class NodeFeatures(FeatureKind):

@@ -5,7 +5,11 @@ Labels come from `data_gen.labels.make_labels` (so a τ sweep reuses the same tr
 node kinds). Per row it also keeps the position the feature kind buckets by (`FeatureKind.positions`: the position in
 the draft round, or a node's depth − 1) and the trace columns of the kind's training-free baselines (`base`), so the
 test report compares the head with them on the same rows. The trace splits are the dataset's prompt splits; `setup`
-asserts no prompt_id sits in two of them.
+asserts no prompt_id sits in two of them. A conditional label scheme's row mask (`data_gen.labels.make_mask`:
+on_path_given_parent keeps the nodes whose parent is on the path) drops the other rows from every split, so fitting,
+calibration, the threshold and the test metrics see only the rows it labels; for node kinds the test split also keeps
+all of its nodes (`data["test"]["nodes"]`: features, on_path, parent rows, baselines), for the report's two views of
+a node head (eval.classifier.node_views).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset, WeightedRandomSampler
 
 from data_gen.contract import HEAD_SPLITS as SPLITS
 from data_gen.contract import trace_columns
-from data_gen.labels import is_soft, make_labels, make_weights, required_columns, weight_columns
+from data_gen.labels import is_soft, make_labels, make_mask, make_weights, required_columns, weight_columns
 from eval.metrics import baseline_columns
 from models.features import FeatureSpec, features_from_columns, needed_columns
 from utils.cli import UserError
@@ -78,8 +82,9 @@ class TraceDataModule(L.LightningDataModule):
         kind = self.spec.family
         feature_cols = needed_columns(self.spec)
         base_cols = baseline_columns(kind.baselines)
+        tree_cols = ("on_path", "node", "parent", "position") if kind.tree else ()  # the test report's node views
         needed = (tuple(required_columns(self.labels_cfg)) + feature_cols + tuple(kind.position_columns)
-                  + weight_columns(self.labels_cfg) + base_cols + ("prompt_id",))
+                  + weight_columns(self.labels_cfg) + base_cols + tree_cols + ("prompt_id",))
         prompts = {}
         for split in SPLITS:
             ds = self.traces[split]
@@ -102,9 +107,24 @@ class TraceDataModule(L.LightningDataModule):
             weights = make_weights(cols, self.labels_cfg)
             x = features_from_columns(cols, self.spec)
             pos = torch.as_tensor(kind.positions(cols), dtype=torch.long)
+            base = {c: cols[c] for c in base_cols if c in cols}
+            mask = make_mask(cols, self.labels_cfg)  # None: every row is labelled
+            nodes = None
+            if split == "test" and kind.tree and all(c in cols for c in tree_cols):
+                from models.features import parent_rows
+
+                nodes = {"x": x, "on_path": np.asarray(cols["on_path"]).astype(bool), "parent_row": parent_rows(cols),
+                         "base": dict(base)}
+            if mask is not None:
+                if not mask.any():
+                    raise UserError(f"the {split} split has no rows that labels={self.labels_cfg.name} labels")
+                keep = torch.as_tensor(mask)
+                x, pos, labels, weights = x[keep], pos[keep], labels[mask], weights[mask]
+                base = {c: v[mask] for c, v in base.items()}
             self.data[split] = {"x": x, "y": torch.as_tensor(labels, dtype=torch.float32), "pos": pos,
-                                "w": torch.as_tensor(weights, dtype=torch.float32),
-                                "base": {c: cols[c] for c in base_cols if c in cols}}
+                                "w": torch.as_tensor(weights, dtype=torch.float32), "base": base}
+            if nodes is not None:
+                self.data[split]["nodes"] = nodes
             prompts[split] = set(np.asarray(cols["prompt_id"]).tolist())
         for i, a in enumerate(SPLITS):
             for b in SPLITS[i + 1 :]:

@@ -12,8 +12,10 @@ decode needs), calibrate it and store its speed rule, reload it with `models.hea
 Its numbers and plots come from eval's one definition of each (eval.metrics: metrics, ECE, the training-free
 baselines; eval.plots: the curves), so results.json and `python -m eval` agree on the same rows. Which baselines, and
 whether the chain-only steps run (the speed rule, the static-length F1), is the feature kind's business: token-tree
-node heads (`model=c2t | tree_node` on `trace=tree`, `labels=on_path`; `FeatureKind.tree`) are compared with the
-joint probability and q_token and skip both.
+node heads (`model=c2t | tree_node` on `trace=tree`, `labels=on_path | on_path_given_parent`; `FeatureKind.tree`) are
+compared with the joint probability and q_token and skip both; their report adds both node views
+(eval.classifier.node_views: `test/auroc_path*` over every node, `test/auroc_cond*` on the nodes whose parent is on
+the path), so an unconditional and a conditional head are read on the same two tasks.
 """
 
 from __future__ import annotations
@@ -400,6 +402,21 @@ def test_report(cfg: DictConfig, fit: Fit, spec, speed: dict | None, loggers: li
         names = spec.family.baselines
         baselines = baseline_scores(test["base"], names)
         results.update({f"test/auroc_{name}": auroc for name, auroc in baseline_auroc(test["base"], y, names).items()})
+    nodes = test.get("nodes")
+    if nodes is not None:  # a node head on both tasks, whatever it was trained on (eval.classifier.node_views)
+        import torch
+
+        from data_gen.labels import is_conditional
+        from eval.classifier import node_views
+
+        p_all = torch.cat([bundle.prob(chunk) for chunk in torch.split(nodes["x"], 65536)]).cpu().numpy()
+        views = node_views(p_all, nodes["on_path"], nodes["parent_row"], nodes["base"], spec.family.baselines,
+                           is_conditional(bundle.labels))
+        for view in ("path", "cond"):  # test/auroc_path, test/auroc_path_joint, ..., test/rows_cond, ...
+            for k, v in views[view].items():
+                key = k.replace("auroc", f"auroc_{view}", 1) if k.startswith("auroc") else f"{k}_{view}"
+                results[f"test/{key}"] = v
+        results["path_score"] = views["path_score"]
     points = roc_pr_points(scores, y)
     base_points = {name: roc_pr_points(b, y).get("roc") for name, b in baselines.items()}
     pngs = save_curves(points, base_points, results, fit.ckpt_path.parent,
@@ -481,6 +498,11 @@ def print_table(results: dict) -> None:
     ]
     if not tree:
         rows.append((f"F1 best static length (K={r['test/k_static_best']})", r["test/f1_static_best"]))
+    for view, what in (("path", "every node, label on_path"), ("cond", "nodes whose parent is on the path")):
+        if f"test/auroc_{view}" in r:  # node heads: both tasks (eval.classifier.node_views)
+            base = " ".join(f"{BASELINE_LABELS[k]} {r[f'test/auroc_{view}_{k}']:.4f}" for k in BASELINE_LABELS
+                            if f"test/auroc_{view}_{k}" in r)
+            rows.append((f"AUROC {view} ({what}, {r[f'test/rows_{view}']} rows; {base})", r[f"test/auroc_{view}"]))
     sr = r.get("speed_rule")
     if sr:
         rule = sr["rule"] + (f" {sr['threshold']:g}" if sr.get("threshold") is not None else "")
