@@ -78,6 +78,11 @@ def hash_payload(cfg: DictConfig) -> dict:
     # (models.lm.LM), which trace generation's teacher-forced passes through transformers' forward never make
     for key in ("device", "cache_dir", "linear", "forward"):
         pair.pop(key, None)
+    from models.pair import draft_files
+
+    files = draft_files(cfg.pair)
+    if files:  # the draft's content, not only its path: a new student at the shipped path makes new traces
+        pair["draft_files"] = files
     return {
         "format": FORMAT_VERSION,
         "pair": pair,

@@ -23,6 +23,7 @@ from decode.report import markdown_table, task_table, write_outputs
 from decode.run import Decoding, SplitResult, check_settings, run_split
 from decode.tune import choose, tune_grid
 from models.cost import get_profile, machine
+from models.pair import draft_files
 from utils.cli import UserError
 from utils.files import write_text_atomic
 
@@ -99,6 +100,7 @@ def run_info(cfg: DictConfig, pair, split: str, summary: dict, profile=None) -> 
     tuning = cfg.get("mode") == "tune" and split == str(cfg.tune.split)
     return {
         "pair": pair.pair_id, "draft": OmegaConf.to_container(cfg.pair.draft, resolve=True),
+        "draft_files": draft_files(cfg.pair),  # which draft: its files' content hashes (models.pair.draft_files)
         "dataset": str(cfg.dataset.name), "split": split,
         "limit": cfg.tune.get("limit", cfg.get("limit")) if tuning else cfg.get("limit"),
         "max_new_tokens": int(cfg.max_new_tokens), "temperature": float(cfg.temperature), "top_p": float(cfg.top_p),

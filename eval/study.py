@@ -8,7 +8,8 @@ conf/study.yaml lists every results/ folder as a section: the commands that writ
 a short note. For each section results/README.md gets the commands, the settings its files record (machine, date,
 dtype, prompts), a **stale** line when its pair, draft or code settings differ from today's defaults of its pair
 (`conf/pair/<pair>.yaml`; a setting the section's own command sets, e.g. `pair.dtype=float32`, is not stale), then
-its tables, plots and note. Compared: the pair, `draft.vocab_subset`, `draft.quantize`, `dtype` (only where the pair
+its tables, plots and note. Compared: the pair, the draft's weights by content (`draft_files`, where the record has
+them), `draft.vocab_subset`, `draft.quantize`, `dtype` (only where the pair
 pins one: `auto` resolves per machine), `linear` and `forward` (code paths a file records since those options
 exist; a decode run.json records no git commit, so these are the code settings there are to compare).
 
@@ -155,6 +156,12 @@ def stale_reasons(rec: dict, overrides: set[str] = frozenset()) -> list[str]:
         want = (conf.get("draft") or {}).get(key)
         if draft.get(key) != want and f"pair.draft.{key}" not in overrides:
             out.append(f"draft.{key}={'null' if draft.get(key) is None else draft.get(key)} (today {want})")
+    if rec.get("draft_files") is not None and "pair.draft.weights" not in overrides:  # which draft, by content
+        from models.pair import draft_files
+
+        today = draft_files(conf)
+        if rec["draft_files"].get("weights") != today.get("weights"):
+            out.append(f"draft weights {rec['draft_files'].get('weights') or 'none'} (today {today.get('weights')})")
     if conf.get("linear", "auto") == "auto" and "pair.linear" not in overrides:
         want = "packed" if str(rec.get("device")) == "cpu" else "torch"
         if rec.get("linear") != want:
@@ -182,6 +189,8 @@ def _settings(run: dict) -> str:
         if run.get(k) is not None:
             v = run[k]
             parts.append(f"{label} {v:.3f}" if isinstance(v, float) and k == "measured_c" else f"{label} {v}")
+    if (run.get("draft_files") or {}).get("weights"):
+        parts.append(f"draft {run['draft_files']['weights'][:8]}")
     where = ", ".join(x for x in (run.get("machine"), run.get("date")) if x)
     return "; ".join(parts) + (f" — {where}" if where else "")
 

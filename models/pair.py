@@ -16,6 +16,7 @@ Sources (`target.source` / `draft.source`):
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import importlib.util
 import json
@@ -136,6 +137,30 @@ def cpu_flags() -> set[str]:
 def cpu_has_native_bf16(flags: set[str] | None = None) -> bool:
     """Does this CPU execute bf16 arithmetic natively? Read from its feature flags, never timed."""
     return bool(NATIVE_BF16_FLAGS & (cpu_flags() if flags is None else set(flags)))
+
+
+# ------------------------------------------------------------------------------------------------ draft identity
+
+
+def draft_files(pcfg) -> dict[str, str]:
+    """Content fingerprints (sha256, 16 hex) of the files that make the pair's draft: a student's weights and, with
+    an FR-Spec head, its frequency list. A trace set's config hash, a head's record and a decode run.json carry them,
+    so what was made with which draft is the draft itself, not a path whose file a new draft may replace (issue 29
+    ships its student at the shipped path). {} for drafts made from the target alone (layer subsets, tiny pairs)."""
+    d = pcfg.get("draft") or {}
+    keys = (["weights"] if d.get("source") == "student" else []) + (["vocab_freq"] if d.get("vocab_subset") else [])
+    out = {}
+    for key in keys:
+        path = Path(os.path.expanduser(str(d.get(key) or "")))
+        path = path if path.is_absolute() else REPO_ROOT / path
+        if d.get(key) and path.is_file():
+            out[key] = _fingerprint(str(path), path.stat().st_size, path.stat().st_mtime_ns)
+    return out
+
+
+@functools.lru_cache(maxsize=16)
+def _fingerprint(path: str, size: int, mtime_ns: int) -> str:  # size and mtime: a replaced file hashes again
+    return sha256_file(Path(path))[:16]
 
 
 # ------------------------------------------------------------------------------------------------------- tokenizers

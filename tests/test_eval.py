@@ -183,6 +183,16 @@ def test_study_report_and_stale_line(tmp_path):
     assert any(r.startswith("draft.vocab_subset=null") for r in reasons) and len(reasons) == 4
     assert len(stale_reasons(old, {"pair.draft.quantize", "pair.linear"})) == 2
     assert stale_reasons({**run, "pair": "gone"}) == ["pair gone, which conf/pair/ no longer defines"]
+    # a record of the draft's content: stale once another student ships at the same path (issue 29)
+    from omegaconf import OmegaConf
+
+    from models.pair import draft_files
+    from utils.cli import CONF_DIR
+
+    today = draft_files(OmegaConf.load(CONF_DIR / "pair" / "smollm2_135m.yaml"))
+    assert today.get("weights") and stale_reasons({**run, "draft_files": today}) == []
+    assert stale_reasons({**run, "draft_files": {**today, "weights": "0" * 16}}) == [
+        f"draft weights {'0' * 16} (today {today['weights']})"]
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "run.json").write_text(json.dumps(old))
     (tmp_path / "a" / "summary.md").write_text("### table\n| x |\n")

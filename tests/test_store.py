@@ -86,6 +86,15 @@ def test_config_hash_ignores_what_never_changes_rows(tmp_path):
     assert store.config_hash(same) == store.config_hash(base)
     assert store.config_hash(make_cfg(tmp_path, "pair.dtype=bfloat16")) != store.config_hash(base)
     assert store.config_hash(make_cfg(tmp_path, "trace.top_p=0.9")) != store.config_hash(base)
+    # a new student at the same path (issue 29) is another draft: another hash, so old traces are never reused
+    weights = tmp_path / "student.safetensors"
+    weights.write_bytes(b"old draft")
+    student = ("pair.draft.source=student", f"+pair.draft.weights={weights}")
+    first = store.config_hash(make_cfg(tmp_path, *student))
+    weights.write_bytes(b"the new draft")
+    assert store.config_hash(make_cfg(tmp_path, *student)) != first != store.config_hash(base)
+    assert store.hash_payload(make_cfg(tmp_path, *student))["pair"]["draft_files"]["weights"]
+    assert "draft_files" not in store.hash_payload(base)["pair"]  # layer-subset drafts: the target's own files
     assert store.trace_folder(make_cfg(tmp_path, "trace=interleaved"), "test").name == (
         "tiny_random--mbpp--interleaved-t0-p1-n8-s0-h--test"
     )

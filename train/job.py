@@ -363,6 +363,7 @@ def test_report(cfg: DictConfig, fit: Fit, spec, speed: dict | None, loggers: li
     from eval.metrics import (baseline_auroc, baseline_scores, classification_metrics, expected_calibration_error,
                               roc_pr_points, static_length_f1)
     from models.heads import load_head
+    from models.pair import draft_files
 
     bundle = load_head(fit.ckpt_path)
     test = fit.dm.data["test"]
@@ -390,6 +391,7 @@ def test_report(cfg: DictConfig, fit: Fit, spec, speed: dict | None, loggers: li
         "kind": bundle.kind,
         "labels": OmegaConf.to_container(cfg.labels, resolve=True),
         "pair_id": bundle.pair_id,
+        "draft_files": draft_files(cfg.pair),  # the draft whose traces trained it (their config hash holds the same)
         "dataset": str(cfg.dataset.name),
         "speed_rule": speed,
         "train_rows": len(fit.dm.data["train"]["y"]),
