@@ -149,25 +149,16 @@ def node_views(scores, on_path, parent_row, base: dict, names, conditional: bool
     return out
 
 
-def evaluate(bundle, ds, manifest: dict, folder: Path) -> dict:
-    """Every item-1 number (and item 3 for SPRINTER heads) for one checkpoint on one loaded trace split."""
-    from data_gen.labels import make_labels, make_mask
-    from eval.metrics import best_f1_threshold, classification_metrics, roc_pr_points, static_length_f1
-    from models.features import continuation_starts, features_from_columns
-    from models.heads import head_family
+def scored_rows(bundle, ds, folder: Path):
+    """The columns `evaluate` reads from a trace split, their labels under the head's scheme and the head's scores
+    (every row: a conditional scheme's mask is applied by the caller, after the node views that need all nodes)."""
     from data_gen.contract import trace_columns
+    from data_gen.labels import make_labels, required_columns
+    from eval.metrics import baseline_columns
+    from models.features import features_from_columns, needed_columns
 
     names = list(ds.column_names)
-    check_compatible(bundle, manifest, folder, names)
-    if len(ds) == 0:
-        raise UserError(f"the traces {folder} have no rows; regenerate them with a larger limit")
     labels_cfg = OmegaConf.create(bundle.labels)
-    from data_gen.labels import required_columns
-
-    from models.features import needed_columns
-
-    from eval.metrics import baseline_columns
-
     kind = bundle.spec.family
     want = [c for c in dict.fromkeys(COLUMNS + tuple(required_columns(labels_cfg)) + needed_columns(bundle.spec)
                                      + tuple(kind.position_columns) + baseline_columns(kind.baselines)) if c in names]
@@ -181,11 +172,23 @@ def evaluate(bundle, ds, manifest: dict, folder: Path) -> dict:
     scores = torch.cat([bundle.prob(chunk) for chunk in torch.split(x, 65536)]).cpu().numpy().astype(np.float64)
     if not np.isfinite(scores).all():
         raise UserError(f"checkpoint {bundle.path} produced non-finite scores on {folder}; the head is broken, retrain it")
+    return cols, y, scores, labels_cfg
+
+
+def evaluate(bundle, ds, manifest: dict, folder: Path) -> dict:
+    """Every item-1 number (and item 3 for SPRINTER heads) for one checkpoint on one loaded trace split."""
+    from data_gen.labels import is_conditional, make_mask
+    from eval.metrics import baseline_columns, best_f1_threshold, classification_metrics, roc_pr_points, static_length_f1
+    from models.features import continuation_starts, parent_rows
+    from models.heads import head_family
+
+    check_compatible(bundle, manifest, folder, list(ds.column_names))
+    if len(ds) == 0:
+        raise UserError(f"the traces {folder} have no rows; regenerate them with a larger limit")
+    kind = bundle.spec.family
+    cols, y, scores, labels_cfg = scored_rows(bundle, ds, folder)
     views = None
     if kind.tree and "on_path" in cols:
-        from data_gen.labels import is_conditional
-        from models.features import parent_rows
-
         base = {c: cols[c] for c in baseline_columns(kind.baselines) if c in cols}
         views = node_views(scores, cols["on_path"], parent_rows(cols), base, kind.baselines,
                            is_conditional(bundle.labels))

@@ -98,7 +98,7 @@ def test_fast_dev_run_each_head_round_trips(tmp_path, model, labels):
 RESULTS_JSON_KEYS = {
     "test/auroc", "test/ap", "test/f1", "test/precision", "test/recall", "test/f1_static_best", "test/k_static_best",
     "test/positive_rate", "test/rows", "val/auroc", "threshold", "threshold_mode", "calibration", "test/ece",
-    "ckpt_path", "kind", "labels", "pair_id", "dataset", "speed_rule", "train_rows", "epochs",
+    "ckpt_path", "kind", "labels", "pair_id", "draft_files", "dataset", "speed_rule", "train_rows", "epochs",
     "test/auroc_max_q", "test/auroc_neg_entropy", "roc_png", "pr_png",
 }
 
