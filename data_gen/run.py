@@ -246,6 +246,10 @@ class Plan:
 
 
 def _other_config(folder: Path, manifest: dict, chash: str) -> UserError:
+    made = (manifest.get("config") or {}).get("tree_format", 1)
+    if manifest.get("trace_kind") == "tree" and made != store.TREE_FORMAT:
+        return UserError(f"traces at {folder} are tree traces of format {made}, older than today's {store.TREE_FORMAT} "
+                         "(data_gen.store.TREE_FORMAT: new node columns); rerun with overwrite=true to regenerate them")
     return UserError(
         f"traces at {folder} were made with another config (hash {manifest.get('config_hash')} != {chash}); "
         "rerun with overwrite=true to replace them, or pick another trace_root"

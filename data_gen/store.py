@@ -83,8 +83,10 @@ def hash_payload(cfg: DictConfig) -> dict:
     files = draft_files(cfg.pair)
     if files:  # the draft's content, not only its path: a new student at the shipped path makes new traces
         pair["draft_files"] = files
+    tree = {"tree_format": TREE_FORMAT} if str(cfg.trace.get("kind")) == "tree" else {}
     return {
         "format": FORMAT_VERSION,
+        **tree,
         "pair": pair,
         "dataset": OmegaConf.to_container(cfg.dataset, resolve=True),
         "trace": OmegaConf.to_container(cfg.trace, resolve=True),
@@ -247,8 +249,13 @@ def save_table_shard(folder: Path, index: int, table, meta: dict) -> dict:
     return meta
 
 
-# the per-node columns of a `tree` trace besides prompt_id, split, kind, position and draft_topk (data_gen.traces)
-TREE_COLUMNS = ("node", "parent", "depth", "rank", "token", "q_token", "joint", "draft_entropy", "on_path", "length")
+# the per-node columns of a `tree` trace besides prompt_id, split, kind, position and draft_topk (data_gen.traces);
+# root_target_* and copy_len .. lookup_len (models.tree.NODE_GROUP_COLUMNS, read by tree_node_plus) since TREE_FORMAT 2
+TREE_COLUMNS = ("node", "parent", "depth", "rank", "token", "q_token", "joint", "draft_entropy", "root_target_entropy",
+                "root_target_margin", "copy_len", "lookup_hit", "lookup_len", "on_path", "length")
+# the tree traces' own format, in their config hash: a bump makes folders of an older one "another config" (refused
+# in one line, `overwrite=true` regenerates) rather than mixed with new ones. 2: the verify and copy node columns
+TREE_FORMAT = 2
 
 
 def _tree_table(rows: list[dict], topk: int):

@@ -15,7 +15,9 @@ Two trace kinds (DESIGN.md "Trace kinds"):
 A third kind, `tree` (issue 30, token trees): the target's greedy continuation y as `target_ar` makes it, then the
 draft walks along y with one KV cache and at every `stride`-th position grows a bounded candidate tree
 (models.tree.TopkExpander, EAGLE-2's expansion) before the tree's entries are dropped again (`LM.keep`). One row per
-node (`tree_batch`); what a tree builder would pick from it is replayed by eval.tree_replay.
+node (`tree_batch`), with the node-head columns of models.tree.node_columns (the verify and copy groups too, from the
+rollout's target logits and the context along y); what a tree builder would pick from it is replayed by
+eval.tree_replay.
 
 Batch invariance: prompts are left-padded with an attention mask and explicit position ids, and every random draw
 comes from a generator seeded by (trace seed, prompt id), consumed the same way whatever the batch — so batch size,
@@ -246,23 +248,34 @@ def trace_batch(pair, items: list[Item], trace_cfg) -> list[dict[str, np.ndarray
     return results
 
 
-def tree_rows(draft, prefix: list[int], y: list[int], expander, stride: int, k: int) -> dict[str, np.ndarray]:
+def tree_rows(draft, prefix: list[int], y: list[int], expander, stride: int, k: int,
+              root_stats: tuple[np.ndarray, np.ndarray] | None = None) -> dict[str, np.ndarray]:
     """One prompt's tree rows: the draft walks along y with one cache; at positions t = 0, stride, 2·stride, ... its
     pending tokens are y up to t, it grows a candidate tree there and the tree's cache entries are dropped. A node's
-    columns (structure, q_token, joint, the DISCO features of the distribution it was drawn from) are
-    models.tree.node_columns', the function decode's node heads read too. `on_path`: the node's root path is
-    y[t : t + depth] (greedy verification accepts it)."""
+    columns (structure, q_token, joint, the DISCO features of the distribution it was drawn from, and the groups
+    `verify` and `copy`) are models.tree.node_columns', the function decode's node heads read too: the tree at t
+    carries its root context prompt + y[:t] (a ContextIndex kept along y) and, as `verify`, (H_p, top-2 margin) of
+    the target distribution y[t − 1] came from — `root_stats` (entropy, margin) per position of y, (0, 0) at t = 0
+    as before a decode's first verification. `on_path`: the node's root path is y[t : t + depth] (greedy
+    verification accepts it)."""
+    from models.features import ContextIndex
     from models.tree import grow, node_columns
 
-    stored = ("node", "parent", "depth", "rank", "token", "q_token", "joint", "draft_entropy")
+    stored = [c for c in TREE_COLUMNS if c not in ("on_path", "length")]
+    if root_stats is None:
+        root_stats = (np.zeros(len(y), np.float32), np.zeros(len(y), np.float32))
     parts: list[dict] = []
     dcache, last = draft.new_cache(), 0
+    index = ContextIndex(prefix)  # prompt + y[:last]
     for t in range(0, len(y), stride):
         pending = list(prefix) if t == 0 else y[last:t]  # the cache holds prefix + y[:last]
-        tree, prefix_len, _ = grow(draft, dcache, pending, expander)
+        for tok in y[last:t]:
+            index.push(int(tok))
+        verify = (0.0, 0.0) if t == 0 else (float(root_stats[0][t - 1]), float(root_stats[1][t - 1]))
+        tree, prefix_len, _ = grow(draft, dcache, pending, expander, context=index, verify=verify)
         draft.keep(dcache, list(range(prefix_len)))
         last = t
-        cols = node_columns(tree, list(range(len(tree))), k, draft.support)
+        cols = node_columns(tree, list(range(len(tree))), k, draft.support, ("verify", "copy"))
         on: list[bool] = []
         for par, tok, d in zip(tree.parents, tree.tokens, tree.depth):
             on.append((par < 0 or on[par]) and t + d - 1 < len(y) and tok == y[t + d - 1])
@@ -270,8 +283,8 @@ def tree_rows(draft, prefix: list[int], y: list[int], expander, stride: int, k: 
         parts.append({"position": np.full(n, t, np.int32), **{c: cols[c] for c in stored},
                       "on_path": np.asarray(on, dtype=bool), "length": np.full(n, len(y), np.int32),
                       "draft_topk": cols["draft_topk"]})
-    empty = {"draft_topk": np.zeros((0, k), np.float32), "on_path": np.zeros(0, bool), "q_token": np.zeros(0, np.float32),
-             "joint": np.zeros(0, np.float32), "draft_entropy": np.zeros(0, np.float32)}
+    empty = {"draft_topk": np.zeros((0, k), np.float32), "on_path": np.zeros(0, bool)}
+    empty.update({c: np.zeros(0, np.float32) for c in stored if c not in ("node", "parent", "depth", "rank", "token")})
     names = ("position", *TREE_COLUMNS, "draft_topk")
     return {name: np.concatenate([p[name] for p in parts]) if parts else empty.get(name, np.zeros(0, np.int32))
             for name in names}
@@ -289,8 +302,12 @@ def tree_batch(pair, items: list[Item], trace_cfg) -> list[dict[str, np.ndarray]
     expander = TopkExpander(int(trace_cfg.get("tree_topk", 4)), int(trace_cfg.get("tree_depth", 5)))
     stride, k = int(trace_cfg.get("stride", 1)), int(trace_cfg.get("topk", 10))
     results = []
-    for it, y in zip(items, roll.tokens):
-        cols = tree_rows(draft, it.prefix, list(y), expander, stride, k)
+    for i, (it, y) in enumerate(zip(items, roll.tokens)):
+        # the target's distribution at each position of y, as generated (greedy: softmax of its logits), as
+        # `position_stats` and decode's verification statistics read it: the tree at t + 1's verify group
+        p = draft_probs(roll.target_logits[i, : len(y)], 0.0)
+        stats = (entropy(p).float().cpu().numpy(), top2_margin(p).float().cpu().numpy())
+        cols = tree_rows(draft, it.prefix, list(y), expander, stride, k, stats)
         cols["prompt_id"], cols["split"], cols["kind"], cols["n"] = it.prompt_id, it.split, "tree", len(cols["node"])
         results.append(cols)
     return results

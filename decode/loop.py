@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decode.tree import commit, grow
+from decode.tree import commit, grow, root_stats
 from decode.tree import verify as tree_verify
 from decode.verify import greedy_verify, sample_verify, sprinter_verify
 from models.distributions import draft_probs, entropy, greedy_ids, logit_stats, top2_margin, tvd
-from models.features import DraftStep, VerifyStats
+from models.features import ContextIndex, DraftStep, VerifyStats
 from models.lm import LM, Clock
 
 
@@ -211,15 +211,22 @@ def _rollback(dcache, tcache, d_pending: list[int], drafted: list[int], n: int, 
 
 
 def _tree_round(draft: LM, target: LM, dcache, tcache, d_pending, t_pending, builder, s: _Settings, budget: int,
-                res: GenResult) -> tuple[list[int], int, list[int], int]:
+                res: GenResult, cindex=None, tstats=None) -> tuple[list[int], int, list[int], int, tuple | None]:
     """One token-tree round (decode.tree): grow, verify, keep the accepted path in both caches. Returns (accepted
-    tokens, the target's next token, the draft's pending tokens, verified nodes)."""
-    tree, prefix_len, nodes = grow(draft, dcache, d_pending, builder, s, budget, res)
+    tokens, the target's next token, the draft's pending tokens, verified nodes, and — when `s.want_vs` — the
+    verification's (H_p, margin) at the distribution that token came from, for the next round's tree). `cindex` /
+    `tstats`: the root context (a ContextIndex of prompt + output) and the last such numbers, handed to the tree
+    for builders whose node head reads them (models.tree.Tree.context / .verify)."""
+    tree, prefix_len, nodes = grow(draft, dcache, d_pending, builder, s, budget, res, cindex, tstats)
     ts = time.perf_counter()
-    path, nxt = tree_verify(target, tcache, t_pending, tree, nodes, s, res)
+    path, nxt, z = tree_verify(target, tcache, t_pending, tree, nodes, s, res)
     d_pending = commit(draft, target, dcache, tcache, tree, prefix_len, path, nxt)
-    res.target_s += time.perf_counter() - ts
-    return [tree.tokens[i] for i in path], nxt, d_pending, len(nodes)
+    te = time.perf_counter()
+    res.target_s += te - ts
+    if s.want_vs:  # the builder's input, timed as policy time (as the chain's VerifyStats)
+        tstats = root_stats(z, s)
+        res.policy_s += time.perf_counter() - te
+    return [tree.tokens[i] for i in path], nxt, d_pending, len(nodes), tstats
 
 
 @torch.inference_mode()
@@ -241,6 +248,11 @@ def speculative(pair, prompt_ids: list[int], policy, max_new_tokens: int, temper
     res = GenResult(tokens=out)
     ctx = list(prompt_ids) if s.want_ctx else None
     vstats = None
+    tree = bool(getattr(policy, "tree", False))
+    # token trees whose node head reads them: the root context as n-gram index (models.features.node_copy_columns
+    # pushes each node's path onto it and takes it back) and the last verification's (H_p, margin), (0, 0) at first
+    cindex = ContextIndex(prompt_ids) if tree and s.want_ctx else None
+    tstats = (0.0, 0.0) if tree and s.want_vs else None
     # tokens each model has not run on yet: the whole prompt at first (the first calls are the prefills, shaped
     # like transformers' generate, so low-precision numerics match plain decoding as closely as possible); then
     # 1 token, or 2 for the draft after a fully accepted round
@@ -249,9 +261,9 @@ def speculative(pair, prompt_ids: list[int], policy, max_new_tokens: int, temper
     done = False
     while not done and len(out) < max_new_tokens:
         budget = min(policy.max_len, max_new_tokens - len(out) - 1)
-        if getattr(policy, "tree", False):  # a token-tree round (decode.tree); a chain is the width-1 case below
-            kept, nxt, d_pending, k = _tree_round(draft, target, dcache, tcache, d_pending, t_pending, policy, s,
-                                                  budget, res)
+        if tree:  # a token-tree round (decode.tree); a chain is the width-1 case below
+            kept, nxt, d_pending, k, tstats = _tree_round(draft, target, dcache, tcache, d_pending, t_pending, policy,
+                                                          s, budget, res, cindex, tstats)
         else:
             rnd = _draft_round(draft, dcache, d_pending, policy, s, budget, len(out), ctx, vstats, eos, res)
             k = len(rnd.tokens)
@@ -277,5 +289,10 @@ def speculative(pair, prompt_ids: list[int], policy, max_new_tokens: int, temper
         out.extend(new)
         if s.want_ctx:
             ctx.extend(new)
+        if cindex is not None:  # the builder's input: policy time
+            ts = now()
+            for tok in new:
+                cindex.push(tok)
+            res.policy_s += now() - ts
     res.wall_s = clock() - t0
     return res

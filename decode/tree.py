@@ -28,18 +28,20 @@ import time
 import torch
 
 from decode.verify import residual
-from models.distributions import draft_probs, greedy_ids
+from models.distributions import draft_probs, entropy, greedy_ids, logit_stats, top2_margin
 from models.lm import tree_attention
 from models.tree import Tree
 from models.tree import grow as grow_tree
 
 
-def grow(draft, dcache, d_pending: list[int], builder, s, budget: int, res) -> tuple[Tree, int, list[int]]:
+def grow(draft, dcache, d_pending: list[int], builder, s, budget: int, res, context=None,
+         verify: tuple | None = None) -> tuple[Tree, int, list[int]]:
     """Steps 1-3 (models.tree.grow to no deeper than the `budget` of tokens left, then the builder's selection);
-    draft and selection time go to `res`. Returns the tree, the prefix length and the selected nodes."""
+    draft and selection time go to `res`. Returns the tree, the prefix length and the selected nodes. `context` /
+    `verify`: the root's context index and last verification numbers, for builders whose node head reads them."""
     ts = time.perf_counter()
     tree, prefix_len, calls = grow_tree(draft, dcache, d_pending, builder, 0.0 if s.greedy else s.temperature, s.top_p,
-                                        max_depth=budget)
+                                        max_depth=budget, context=context, verify=verify)
     res.draft_calls += calls
     tp = time.perf_counter()
     res.draft_s += tp - ts
@@ -82,9 +84,11 @@ def sample_walk(tree: Tree, nodes: list[int], p: dict[int, torch.Tensor], genera
         cur = accepted
 
 
-def verify(target, tcache, t_pending: list[int], tree: Tree, nodes: list[int], s, res) -> tuple[list[int], int]:
-    """Step 4 and the walk: the accepted path (tree node ids) and the token after it. The target cache keeps the
-    pending tokens and the tree nodes' entries at `tpos` (cropped to the path by `commit`)."""
+def verify(target, tcache, t_pending: list[int], tree: Tree, nodes: list[int], s,
+           res) -> tuple[list[int], int, torch.Tensor]:
+    """Step 4 and the walk: the accepted path (tree node ids), the token after it and the target's logits (V,) it
+    came from (what the next round's node heads read as the last verification, `root_stats`). The target cache
+    keeps the pending tokens and the tree nodes' entries at `tpos` (cropped to the path by `commit`)."""
     start = tcache.get_seq_length()
     prefix_len, n = start + len(t_pending), len(nodes)
     positions, mask = tree_attention(tree.parents, nodes, prefix_len, start, None, target.device)
@@ -99,7 +103,19 @@ def verify(target, tcache, t_pending: list[int], tree: Tree, nodes: list[int], s
         path, nxt = sample_walk(tree, nodes, {node: draft_probs(logits[r], s.temperature, s.top_p)
                                               for node, r in at.items()}, s.generator)
     tree.tpos.update({node: prefix_len + j for j, node in enumerate(nodes)})
-    return path, nxt
+    return path, nxt, logits[at[path[-1]] if path else 0]
+
+
+def root_stats(z: torch.Tensor, s) -> tuple[float, float]:
+    """(H_p, top-1 − top-2 of p) of the target distribution at logits z (V,), as the chain's VerifyStats computes
+    them (decode.loop._verify_stats: softmax of the logits under greedy verification, p at the sampling temperature
+    and top-p otherwise): the `verify` node group (models.tree.Tree.verify) of the next round's tree."""
+    if s.greedy:
+        ent, margin, _ = logit_stats(z.unsqueeze(0))
+    else:
+        p = draft_probs(z, s.temperature, s.top_p)
+        ent, margin = entropy(p), top2_margin(p)
+    return float(ent), float(margin)
 
 
 def commit(draft, target, dcache, tcache, tree: Tree, prefix_len: int, path: list[int], nxt: int) -> list[int]:

@@ -400,12 +400,14 @@ class LearnedTree(Eagle2):
     """This project's learned tree builder (`learned_tree:CKPT`): EAGLE-2's growth with a trained node head's
     P(node on the accepted path) in place of the joint probability — the head (`python -m train
     +experiment=tree_mbpp`) reads the DISCO features of the node's parent distribution, its own probability, rank,
-    depth and joint — under the expected-value rule: a level is drafted while its offers pay for the draft call, and
-    the N nodes verified are those that maximise expected tokens per unit time on the measured profile (`Eagle2`).
-    A node's estimate is capped by its parent's (a node cannot be accepted without its parent), so selections stay
-    ancestor-closed. A head trained on labels=on_path_given_parent predicts P(accepted | parent accepted), so its
-    estimate is instead the product of P along the root path (models.features.compose_path), as EAGLE-2's joint is
-    the product of q: a calibrated edge probability composed into P(on path), still never above the parent's."""
+    depth and joint (a tree_node_plus head, `+experiment=tree_plus_mbpp`, also the node's copy features and the
+    last verification's target entropy and margin, which the loop hands it) — under the expected-value rule: a
+    level is drafted while its offers pay for the draft call, and the N nodes verified are those that maximise
+    expected tokens per unit time on the measured profile (`Eagle2`). A node's estimate is capped by its parent's
+    (a node cannot be accepted without its parent), so selections stay ancestor-closed. A head trained on
+    labels=on_path_given_parent predicts P(accepted | parent accepted), so its estimate is instead the product of P
+    along the root path (models.features.compose_path), as EAGLE-2's joint is the product of q: a calibrated edge
+    probability composed into P(on path), still never above the parent's."""
 
     name = "learned_tree"
     learned = True
@@ -421,6 +423,10 @@ class LearnedTree(Eagle2):
             raise UserError(f"{self.name} needs a node head (python -m train +experiment=tree_mbpp or c2t_mbpp), got "
                             f"{got}; chain heads go with learned:CKPT")
         self.bundle, self.kind = bundle, kind
+        # a head that reads the copy / verify node groups (tree_node_plus): decode.loop hands each round's tree the
+        # root context and the last verification's target statistics (models.tree.Tree.context / .verify)
+        self.needs_context = kind.needs_context(bundle.spec)
+        self.needs_verify_stats = kind.needs_verify(bundle.spec)
         from data_gen.labels import is_conditional
 
         self.conditional = is_conditional(bundle.labels)  # P(on path | parent on path): composed by product

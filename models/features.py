@@ -13,12 +13,18 @@ For a drafted position with draft logits z (and last hidden state h):
   (`features_from_columns`), decode from the loop's state (`PlusFeatures`); a test checks both give the same rows.
 
 Token-tree node kinds (issue 30; `NodeFeatures`, `tree = True`): one row per candidate-tree node, labelled on_path —
-`c2t` (C2T, arXiv 2502.13652: joint probability, entropy of the parent's distribution, depth) and `tree_node` (those,
-the DISCO inputs of the parent distribution, the node's q_token and rank, log joint, the parent's own q_token). Both
-read models.tree.node_columns, from tree-trace columns (`from_columns`) or from a models.tree.Tree (`node_rows`).
+`c2t` (C2T, arXiv 2502.13652: joint probability, entropy of the parent's distribution, depth), `tree_node` (those,
+the DISCO inputs of the parent distribution, the node's q_token and rank, log joint, the parent's own q_token) and
+`tree_node_plus` (tree_node's row + two of disco_plus's groups, per node: `verify`'s policy-free part — the target's
+entropy and top-2 margin at the position before the tree's root, i.e. of the distribution the last committed token
+came from, 0 before the first verification — and `copy`: COPY of the node's token after the context prompt +
+committed continuation + the node's root path up to its parent, `node_copy_columns` on the chain's ContextIndex).
+All read models.tree.node_columns, from tree-trace columns (`from_columns`) or from a models.tree.Tree (`node_rows`,
+the tree carrying its root context and verification numbers: `Tree.context` / `Tree.verify`).
 
 Each kind is a `FeatureKind` class (`DiscoFeatures`, `HiddenFeatures`, `DiscoPlusFeatures`, `C2TFeatures`,
-`TreeNodeFeatures`) that declares its columns, the trace columns it is built from and what decode must compute for it.
+`TreeNodeFeatures`, `TreeNodePlusFeatures`) that declares its columns, the trace columns it is built from and what
+decode must compute for it.
 The distribution math these rest on (softmax, top-k, entropy, TVD) is models.distributions.
 """
 
@@ -48,6 +54,9 @@ CLASSES = ("space", "newline", "digit", "alpha", "punct", "chars")  # per token 
 TEXT = (*(f"draft_{c}" for c in CLASSES), *(f"prev_{c}" for c in CLASSES), "line_position")
 COPY_MAX = 8  # longest n-gram continuation counted by copy_len
 LOOKUP_N = 3  # prompt lookup matches the context's last 3, 2 or 1 tokens (transformers' prompt lookup uses 2-3)
+# tree_node_plus's verify group as tree traces store it, per node: H_p and the top-2 margin of the target's
+# distribution at the position before the tree's root (models.tree.node_columns, `Tree.verify`)
+NODE_VERIFY = ("root_target_entropy", "root_target_margin")
 
 
 def token_classes(tokenizer):
@@ -314,6 +323,32 @@ class ContextIndex:
 
 
 CONTEXT_GROUPS = {"copy", "token", "text"}  # the groups that read the context (DraftStep.context)
+
+
+def node_copy_columns(index: ContextIndex, parents, tokens, nodes) -> np.ndarray:
+    """(len(nodes), 3) COPY per token-tree node: `ContextIndex.copy_features` of the node's token after the tree's
+    root context (what `index` holds: prompt + committed continuation) followed by the node's root path up to its
+    parent — the chain's definition on a context that branches per node. `parents` / `tokens`: the tree's (−1: a
+    child of the root). Nodes under one parent share a context: its path is pushed once, read, and rolled back, so
+    `index` is left as found (decode keeps one index per prompt; traces one per continuation)."""
+    import numpy as np
+
+    out = np.zeros((len(nodes), len(COPY)), dtype=np.float32)
+    by_parent: dict[int, list[int]] = {}
+    for j, i in enumerate(nodes):
+        by_parent.setdefault(int(parents[i]), []).append(j)
+    for par, rows in by_parent.items():
+        path, cur = [], par
+        while cur >= 0:
+            path.append(int(tokens[cur]))
+            cur = int(parents[cur])
+        mark = index.mark()
+        for tok in reversed(path):
+            index.push(tok)
+        for j in rows:
+            out[j] = index.copy_features(int(tokens[nodes[j]]))
+        index.rollback(mark)
+    return out
 
 
 def advance_line(line: int, tokens, table) -> int:
@@ -792,6 +827,9 @@ class NodeFeatures(FeatureKind):
     baselines = ("joint", "q_token")
     position_columns = ("depth",)
     parts: tuple = ()
+    # the optional models.tree.node_columns groups the row reads ("copy", "verify"): what decode's builder must hand
+    # the tree (Tree.context, Tree.verify) and what only newer tree traces store (data_gen.store.TREE_FORMAT)
+    node_groups: tuple = ()
 
     def names(self, spec):
         out = []
@@ -820,6 +858,12 @@ class NodeFeatures(FeatureKind):
         return torch.from_numpy(np.ascontiguousarray(np.concatenate(blocks, axis=1), dtype=np.float32))
 
     def from_columns(self, columns, spec):
+        lack = [c for c in self.columns(spec) if c not in columns and c not in ("prompt_id", "position")]  # keys only
+        if lack:
+            from utils.cli import UserError
+
+            raise UserError(f"{self.name} features need tree-trace column(s) {lack} these traces lack (made before "
+                            "them?); regenerate the tree traces with python -m data_gen trace=tree ... overwrite=true")
         cols = {c: _np(columns[c]) for c in self.columns(spec) if c in columns}
         if "parent_q" in self.parts:
             cols["parent_q"] = parent_q_column(columns)
@@ -831,7 +875,8 @@ class NodeFeatures(FeatureKind):
         vocabulary (models.lm.LM.support) when it has one — the same values, fewer reads."""
         from models.tree import node_columns
 
-        return self._matrix(node_columns(tree, list(nodes), spec.k if "topk" in self.parts else 0, support), spec)
+        k = spec.k if "topk" in self.parts else 0
+        return self._matrix(node_columns(tree, list(nodes), k, support, self.node_groups), spec)
 
     def positions(self, columns):
         """depth − 1: the node's position on its drafted path (0 = a child of the root), as a chain's round position."""
@@ -844,6 +889,12 @@ class NodeFeatures(FeatureKind):
 
         raise UserError(f"a {self.name} head scores token-tree nodes (decode's tree builders: kind.node_rows); it has "
                         "no chain-round decoder, so it cannot be a chain stop policy (learned:<ckpt>): use a disco head")
+
+    def needs_context(self, spec):
+        return "copy" in self.node_groups
+
+    def needs_verify(self, spec):
+        return "verify" in self.node_groups
 
 
 def _log(x):
@@ -863,6 +914,9 @@ NODE_SOURCES = {
     "q_token": ("q_token",),
     "rank": ("rank",),
     "parent_q": ("node", "parent", "q_token", "prompt_id", "position"),
+    "target_entropy": (NODE_VERIFY[0],),
+    "target_margin": (NODE_VERIFY[1],),
+    **{c: (c,) for c in COPY},
 }
 NODE_VALUES = {
     "parent_entropy": lambda c: c["draft_entropy"],
@@ -872,6 +926,9 @@ NODE_VALUES = {
     "q_token": lambda c: c["q_token"],
     "rank": lambda c: c["rank"],
     "parent_q": lambda c: c["parent_q"],
+    "target_entropy": lambda c: c[NODE_VERIFY[0]],
+    "target_margin": lambda c: c[NODE_VERIFY[1]],
+    **{name: (lambda c, name=name: c[name]) for name in COPY},
 }
 
 
@@ -889,6 +946,24 @@ class TreeNodeFeatures(NodeFeatures):
     name = "tree_node"
     reads_probs = True
     parts = ("topk", "parent_entropy", "depth", "joint", "log_joint", "q_token", "rank", "parent_q")
+
+
+class TreeNodePlusFeatures(TreeNodeFeatures):
+    """tree_node's row + the richer inputs the chain's disco_plus heads read, per node (issue 30):
+    - `verify` (VERIFY[:2]): the target's entropy and top-2 margin at the position before the tree's root — the
+      distribution the last committed token came from, as the last verification saw it (decode: its pass over the
+      previous round's tree; traces: the target's greedy generation step), 0 for a continuation's first tree. The
+      policy-dependent part of disco_plus's verify group (accepted count, all-accepted, mean TVD) is left out: in a
+      tree trace it depends on the builder that would have verified the previous round;
+    - `copy` (COPY): copy_len / lookup_hit / lookup_len of the node's token after prompt + committed continuation +
+      the node's root path up to its parent (`node_copy_columns`, the chain's ContextIndex).
+    Not `hidden`: the parent's 576-float hidden state per node would take ~7 GB of tree traces for 500 prompts.
+    Decode hands the builder the root context and the verification numbers (`needs_context`, `needs_verify`:
+    decode.loop attaches them to the tree, models.tree.grow)."""
+
+    name = "tree_node_plus"
+    parts = (*TreeNodeFeatures.parts, *VERIFY[:2], *COPY)
+    node_groups = ("verify", "copy")
 
 
 def feature_kinds() -> dict[str, type[FeatureKind]]:

@@ -8,8 +8,9 @@ families (`features`: the feature kind it reads; `raw_input`, `inert_constant_co
 - `sprinter`: SPRINTER's single linear layer (+ sigmoid) on the draft's last hidden state.
 - `specdecpp`: SpecDec++'s prediction head, residual blocks x + SiLU(W_i x + b_i) (independent weights per block)
   then a linear readout, on the draft hidden state.
-- `c2t` / `tree_node`: the DISCO network on a token-tree node's row (models.features' node kinds), predicting
-  whether the node is on the path greedy verification accepts (labels=on_path); decode's tree builders score nodes.
+- `c2t` / `tree_node` / `tree_node_plus`: the DISCO network on a token-tree node's row (models.features' node
+  kinds), predicting whether the node is on the path greedy verification accepts (labels=on_path); decode's tree
+  builders score nodes.
 - `disco_plus`: logit = a·logit(max q) + FFN(features) on the disco_plus features (models.features), token ids
   through hashed embeddings. The FFN's output layer starts at zero and a at 1, so a fresh head *is* the max-q
   score and training moves away from it only where the extra features pay.
@@ -85,6 +86,13 @@ class TreeNodeFFN(DiscoFFN):
     """The richer node head: the same 2-layer FFN on `tree_node` rows (models.features.TreeNodeFeatures)."""
 
     features = "tree_node"
+
+
+class TreeNodePlusFFN(DiscoFFN):
+    """The same 2-layer FFN on `tree_node_plus` rows (tree_node's + the verify and copy node groups,
+    models.features.TreeNodePlusFeatures)."""
+
+    features = "tree_node_plus"
 
 
 class SprinterLinear(HeadNet):

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from models.distributions import draft_probs
+from models.features import COPY, NODE_VERIFY
 from models.lm import tree_attention
 
 
@@ -25,7 +26,11 @@ class Tree:
     `rank[i]` (1-based rank of its token in its parent's distribution). `q[i]`: the draft's distribution after the
     node, once the draft has run on it (then `dpos[i]` is its position in the draft cache). `score[i]`: a trained
     node head's P(node on the accepted path), for the nodes scored so far (decode.tree_builders' learned builders;
-    the replay fills it from the trace)."""
+    the replay fills it from the trace). `context`: a models.features.ContextIndex of the root's context (prompt +
+    committed continuation) and `verify`: (H_p, top-2 margin of p) of the target distribution the last committed
+    token came from ((0, 0) before the first verification) — given where a node head reads them (`node_columns`'
+    groups copy / verify: tree traces always, decode for heads that ask). The index is the caller's and moves on
+    after the round (decode and traces push the committed tokens onto it): read it while the tree is the round's."""
 
     root_q: torch.Tensor
     tokens: list[int] = field(default_factory=list)
@@ -37,6 +42,8 @@ class Tree:
     dpos: dict = field(default_factory=dict)
     tpos: dict = field(default_factory=dict)  # verified nodes' positions in the target cache
     score: list = field(default_factory=list)
+    context: object = None
+    verify: tuple | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -72,13 +79,14 @@ def run_nodes(draft, dcache, tree: Tree, nodes: list[int], prefix_len: int, temp
 
 
 def grow(draft, dcache, d_pending: list[int], expander, temperature: float = 0.0, top_p: float = 1.0,
-         max_depth: int | None = None) -> tuple[Tree, int, int]:
+         max_depth: int | None = None, context=None, verify: tuple | None = None) -> tuple[Tree, int, int]:
     """The draft runs on its pending tokens (the root's distribution), then the expander's levels, at most
     `max_depth` of them (decode: the tokens left to generate, as a chain stops drafting there). Returns the tree,
-    the prefix length (committed tokens, all now in the draft cache) and the number of draft calls."""
+    the prefix length (committed tokens, all now in the draft cache) and the number of draft calls. `context` /
+    `verify` are attached to the tree (`Tree`) before the expander sees it."""
     logits, _ = draft(d_pending, dcache, last=1)
     prefix_len, calls = dcache.get_seq_length(), 1
-    tree = Tree(root_q=draft_probs(logits[0], temperature, top_p))
+    tree = Tree(root_q=draft_probs(logits[0], temperature, top_p), context=context, verify=verify)
     frontier = [-1]
     depth = expander.max_depth if max_depth is None else min(expander.max_depth, int(max_depth))
     for level in range(1, depth + 1):
@@ -97,10 +105,12 @@ def grow(draft, dcache, d_pending: list[int], expander, temperature: float = 0.0
 # what `node_columns` returns per node: the structure, the node's own draft probability, and the DISCO features of
 # its parent's distribution (draft_topk (n, k) when k > 0, draft_entropy) plus parent_q, the parent's own q_token
 NODE_COLUMNS = ("node", "parent", "depth", "rank", "token", "q_token", "joint", "draft_entropy", "parent_q")
+# and per optional group: `verify` (the root's Tree.verify, repeated per node), `copy` (models.features.COPY)
+NODE_GROUP_COLUMNS = {"verify": NODE_VERIFY, "copy": COPY}
 
 
 @torch.no_grad()
-def node_columns(tree: Tree, nodes: list[int], k: int, support=None) -> dict:
+def node_columns(tree: Tree, nodes: list[int], k: int, support=None, groups=()) -> dict:
     """Per-node numpy columns computed from the tree alone, the one definition data_gen's tree traces store
     (data_gen.traces.tree_rows) and decode's node heads read (models.features `node_rows`), so a node head sees at
     decode exactly what it was trained on.
@@ -109,10 +119,22 @@ def node_columns(tree: Tree, nodes: list[int], k: int, support=None) -> dict:
     through models.features.DraftStep, the extractor decode's chain policies read (`support`: the draft's reduced
     vocabulary, same values); q_token = that distribution at the node's token; parent_q = the parent's own q_token
     (1.0 for the root's children). Ints are int32, floats float32; draft_topk is (len(nodes), k), omitted for k = 0.
+    `groups` adds NODE_GROUP_COLUMNS: `verify` reads `tree.verify`, `copy` `tree.context`
+    (models.features.node_copy_columns); a tree without them is refused.
     """
     import numpy as np
 
-    from models.features import DraftStep
+    from models.features import DraftStep, node_copy_columns
+
+    unknown = set(groups) - set(NODE_GROUP_COLUMNS)
+    if unknown:
+        raise ValueError(f"node_columns: unknown group(s) {sorted(unknown)}; known: {', '.join(NODE_GROUP_COLUMNS)}")
+    for group, have in (("verify", tree.verify), ("copy", tree.context)):
+        if group in groups and have is None:
+            what = "Tree.verify (the last verification's target entropy and margin)" if group == "verify" else \
+                "Tree.context (a ContextIndex of prompt + committed tokens)"
+            raise RuntimeError(f"node features of group {group} need {what}; grow the tree with {group}=... "
+                               "(decode.loop does for builders whose head asks)")
 
     feats: dict[int, tuple] = {}
     cols: dict[str, list] = {name: [] for name in NODE_COLUMNS}
@@ -138,6 +160,13 @@ def node_columns(tree: Tree, nodes: list[int], k: int, support=None) -> dict:
     out = {name: np.asarray(v, dtype=np.int32 if name in ints else np.float32) for name, v in cols.items()}
     if k > 0:
         out["draft_topk"] = np.stack(topk).astype(np.float32, copy=False) if topk else np.zeros((0, k), np.float32)
+    if "verify" in groups:
+        for name, v in zip(NODE_GROUP_COLUMNS["verify"], tree.verify):
+            out[name] = np.full(len(nodes), v, dtype=np.float32)
+    if "copy" in groups:
+        copy = node_copy_columns(tree.context, tree.parents, tree.tokens, list(nodes))
+        for j, name in enumerate(NODE_GROUP_COLUMNS["copy"]):
+            out[name] = copy[:, j]
     return out
 
 

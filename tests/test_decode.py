@@ -31,7 +31,7 @@ def ids_of(pair, text):
 def make_head(pair, kind: str, threshold: float = 0.5, seed: int = 0):
     from models.heads import HeadBundle, build_head
 
-    if kind in ("disco", "c2t", "tree_node"):  # a chain DISCO head, or a token-tree node head
+    if kind in ("disco", "c2t", "tree_node", "tree_node_plus"):  # a chain DISCO head, or a token-tree node head
         spec = FeatureSpec(kind)
     else:
         spec = FeatureSpec("hidden", d=int(pair.draft.config.hidden_size))

@@ -110,7 +110,7 @@ def test_every_head_family_yaml_instantiates():
     """conf/model/<kind>.yaml: its `arch` node (with `_target_`) builds the family's network by instantiate, and the
     head built from it reads its feature kind's rows."""
     kinds = head_kinds()
-    assert kinds == ["c2t", "disco", "disco_plus", "specdecpp", "sprinter", "tree_node"]
+    assert kinds == ["c2t", "disco", "disco_plus", "specdecpp", "sprinter", "tree_node", "tree_node_plus"]
     for kind in kinds:
         cfg = discover.load("model", kind)
         assert cfg["kind"] == kind  # the family's name is its file's
@@ -120,7 +120,8 @@ def test_every_head_family_yaml_instantiates():
         assert type(net) is family and family.features in feature_kinds()
         head = build_head(kind, spec, cfg["arch"])
         assert type(head.net) is family and head(torch.rand(3, spec.dim)).shape == (3,)
-    with pytest.raises(UserError, match="unknown head kind 'nope'; known: c2t, disco, disco_plus, specdecpp, sprinter, tree_node"):
+    with pytest.raises(UserError, match="unknown head kind 'nope'; known: c2t, disco, disco_plus, specdecpp, "
+                       "sprinter, tree_node, tree_node_plus"):
         head_family("nope")
 
 
@@ -137,7 +138,9 @@ def synthetic_columns(n: int = 6, k: int = 10, d: int = 8) -> dict:
                                       dtype=object),
             # one token tree of n nodes (tree-trace columns, read by the node kinds)
             "node": np.arange(n), "parent": np.array([-1, -1, 0, 0, 2, 3]), "depth": np.array([1, 1, 2, 2, 3, 3]),
-            "rank": np.array([1, 2, 1, 2, 1, 1]), "q_token": rng.random(n), "joint": rng.random(n)}
+            "rank": np.array([1, 2, 1, 2, 1, 1]), "q_token": rng.random(n), "joint": rng.random(n),
+            "root_target_entropy": np.full(n, 0.5), "root_target_margin": np.full(n, 0.2), "copy_len": rng.random(n),
+            "lookup_hit": rng.random(n), "lookup_len": rng.random(n)}
 
 
 def test_every_feature_kind_declares_its_columns():
@@ -146,7 +149,8 @@ def test_every_feature_kind_declares_its_columns():
     cols = synthetic_columns()
     specs = {"disco": FeatureSpec("disco"), "hidden": FeatureSpec("hidden", d=8),
              "disco_plus": FeatureSpec("disco_plus", d=8, groups=["verify", "copy", "token", "hidden"]),
-             "c2t": FeatureSpec("c2t"), "tree_node": FeatureSpec("tree_node")}
+             "c2t": FeatureSpec("c2t"), "tree_node": FeatureSpec("tree_node"),
+             "tree_node_plus": FeatureSpec("tree_node_plus")}
     assert set(feature_kinds()) == set(specs)
     for name, cls in feature_kinds().items():
         kind, spec = cls(), specs[name]

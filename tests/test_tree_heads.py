@@ -1,6 +1,6 @@
-"""Token-tree node heads (issue 30): the c2t / tree_node feature kinds give the same rows from a models.tree.Tree
-(decode's `node_rows`) as from that tree's trace columns, the on_path label scheme, and train → checkpoint → eval on
-tiny tree traces, compared with the joint probability and q_token rather than max q / −H_q."""
+"""Token-tree node heads (issue 30): the c2t / tree_node / tree_node_plus feature kinds give the same rows from a
+models.tree.Tree (decode's `node_rows`) as from that tree's trace columns, the on_path label scheme, and train →
+checkpoint → eval on tiny tree traces, compared with the joint probability and q_token rather than max q / −H_q."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from utils.cli import UserError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-NODE_KINDS = ("c2t", "tree_node")
+NODE_KINDS = ("c2t", "tree_node", "tree_node_plus")
 CLOSE = "pair.draft.layers=[0,1,2]"  # the tiny target with a 3-of-4-layer draft: trees accept several tokens
 TINY = [CLOSE, "trace.max_new_tokens=6", "trace.tree_topk=3", "trace.tree_depth=3", "+max_prompt_tokens=16",
         "split_limits.train=4", "split_limits.validation=2", "split_limits.test=2", "data.batch_size=256"]
@@ -44,15 +44,18 @@ def table_columns(rows: list[dict], k: int = 10) -> dict:
 
 def test_node_rows_equal_the_trace_rows_exactly(close_pair, monkeypatch):
     """Every tree data_gen grows (recorded by wrapping models.tree.grow): node_rows on it equals from_columns on its
-    stored rows bit for bit, for both kinds, for all nodes and for a subset whose parents are not in it."""
+    stored rows bit for bit, for every node kind, for all nodes and for a subset whose parents are not in it
+    (tree_node_plus: with the root context and verification numbers the trace hands the tree)."""
     import models.tree
     from data_gen.traces import Item, tree_batch
+    from models.features import ContextIndex
     from models.lm import LM
 
     grown, grow = [], models.tree.grow
 
     def recording(*args, **kw):
         out = grow(*args, **kw)
+        out[0].context = ContextIndex(out[0].context.toks)  # the trace's index moves on along y: keep the root's
         grown.append(out[0])
         return out
 
@@ -85,6 +88,15 @@ def test_node_rows_equal_the_trace_rows_exactly(close_pair, monkeypatch):
             for p, t, par in zip(cols["prompt_id"], cols["position"], cols["parent"])]
     np.testing.assert_array_equal(x[:, -1], np.asarray(want, np.float32))
     assert (cols["depth"] == 3).any() and (x[cols["depth"] > 1, -1] != 1.0).any()
+    # tree_node_plus: tree_node's row, then the verify and copy node groups (stored columns, read as they are)
+    plus = FeatureSpec("tree_node_plus", k=10)
+    xp = feature_kind("tree_node_plus").from_columns(cols, plus).numpy()
+    np.testing.assert_array_equal(xp[:, : spec.dim], x)
+    assert plus.names[spec.dim :] == ["target_entropy", "target_margin", "copy_len", "lookup_hit", "lookup_len"]
+    for j, c in enumerate(("root_target_entropy", "root_target_margin", "copy_len", "lookup_hit", "lookup_len")):
+        np.testing.assert_array_equal(xp[:, spec.dim + j], cols[c])
+    assert (cols["root_target_entropy"][cols["position"] == 0] == 0).all()
+    assert (cols["root_target_entropy"][cols["position"] > 0] > 0).all() and (cols["copy_len"] > 0).any()
     # rows in another order (a shuffled table): the parent is found by (prompt, position, node), same rows
     perm = np.random.default_rng(0).permutation(len(cols["node"]))
     shuffled = feature_kind("tree_node").from_columns({c: v[perm] for c, v in cols.items()}, spec).numpy()
@@ -98,6 +110,13 @@ def test_node_kind_capabilities():
     assert not feature_kind("disco").tree and feature_kind("disco").baselines == ("max_q", "neg_entropy")
     assert feature_kind("tree_node").baselines == ("joint", "q_token") and feature_kind("tree_node").reads_probs
     assert not feature_kind("c2t").reads_probs and FeatureSpec("c2t").names == ["joint", "parent_entropy", "depth"]
+    plus, node = FeatureSpec("tree_node_plus"), FeatureSpec("tree_node")
+    assert feature_kind("tree_node_plus").tree and feature_kind("tree_node_plus").baselines == ("joint", "q_token")
+    assert plus.reads_probs and not plus.reads_hidden and plus.needs_context and plus.needs_verify
+    assert not (node.needs_context or node.needs_verify or FeatureSpec("c2t").needs_context)
+    assert plus.dim == node.dim + 5 and plus.names[: node.dim] == node.names
+    with pytest.raises(UserError, match="token-tree nodes"):
+        feature_kind("tree_node_plus").decoder(plus)
 
 
 # ---------------------------------------------------------------------------------------------- (b) the label
@@ -141,7 +160,7 @@ def train_cfg(kind: str, root, *extra: str):
 
     from utils.cli import CONF_DIR
 
-    exp = "c2t_mbpp" if kind == "c2t" else "tree_mbpp"
+    exp = {"c2t": "c2t_mbpp", "tree_node": "tree_mbpp", "tree_node_plus": "tree_plus_mbpp"}[kind]
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("train", overrides=[f"+experiment={exp}", "pair=tiny_random", "logger=none", f"trace_root={root}",
                                           "trainer.max_epochs=2", *TINY, *extra])
@@ -153,12 +172,14 @@ def train_cfg(kind: str, root, *extra: str):
 
 @pytest.mark.parametrize("kind", NODE_KINDS)
 def test_train_and_eval_a_node_head(kind, tree_traces, close_pair, tmp_path):
-    """train on tree traces → a checkpoint load_head reads (spec.kind c2t / tree_node) whose results.json compares
-    it with the joint probability and q_token (the AUROCs of those columns on the test nodes), no chain-only
-    numbers; the lead's decode interface scores a grown tree's nodes; python -m eval reports the same numbers."""
+    """train on tree traces → a checkpoint load_head reads (spec.kind c2t / tree_node / tree_node_plus) whose
+    results.json compares it with the joint probability and q_token (the AUROCs of those columns on the test
+    nodes), no chain-only numbers; the lead's decode interface scores a grown tree's nodes; python -m eval reports
+    the same numbers."""
     from data_gen.labels import make_labels
     from eval.classifier import run as evaluate
     from eval.metrics import classification_metrics
+    from models.features import ContextIndex
     from models.heads import load_head
     from models.lm import LM
     from models.tree import TopkExpander, grow
@@ -184,7 +205,8 @@ def test_train_and_eval_a_node_head(kind, tree_traces, close_pair, tmp_path):
     nodes_kind = feature_kind(bundle.spec.kind)
     assert nodes_kind.tree
     draft = LM.of(close_pair, "draft")
-    tree, _, _ = grow(draft, draft.new_cache(), close_pair.tokenizer.encode("def f(x):"), TopkExpander(3, 3))
+    ids = close_pair.tokenizer.encode("def f(x):")
+    tree, _, _ = grow(draft, draft.new_cache(), ids, TopkExpander(3, 3), context=ContextIndex(ids), verify=(1.0, 0.5))
     nodes = list(range(len(tree)))[1:]
     x = nodes_kind.node_rows(tree, nodes, bundle.spec)
     p = bundle.prob(x)

@@ -48,14 +48,16 @@ def trace_items(pair, texts=TEXTS, max_new=16, topk=3, depth=3):
 @torch.no_grad()
 def test_rows_are_trees_with_greedy_labels_and_the_extractors_features(close_pair):
     """Parents precede children; depth, joint and q_token follow the parent; on_path is the direct check against
-    target-only greedy; the DISCO features are DraftStep's on the parent's distribution from a cache-free pass."""
+    target-only greedy; the DISCO features are DraftStep's on the parent's distribution from a cache-free pass; the
+    copy columns are the chain's ContextIndex on prompt + y[:t] + the node's path; the verify columns are H_p and the
+    top-2 margin of the target's distribution that produced y[t − 1] (a cache-free target pass), 0 at t = 0."""
     from decode.loop import autoregressive
-    from models.distributions import draft_probs
-    from models.features import DraftStep
+    from models.distributions import draft_probs, entropy, top2_margin
+    from models.features import ContextIndex, DraftStep
     from models.lm import LM
 
     items, rows = trace_items(close_pair, max_new=10)
-    draft = LM.of(close_pair, "draft")
+    draft, target = LM.of(close_pair, "draft"), LM.of(close_pair, "target")
     for it, r in zip(items, rows):
         y = autoregressive(close_pair, it.prefix, 10, eos=set(close_pair.eos_ids)).tokens
         assert int(r["length"][0]) == len(y) and sorted(set(r["position"])) == list(range(len(y)))
@@ -64,6 +66,13 @@ def test_rows_are_trees_with_greedy_labels_and_the_extractors_features(close_pai
             at = np.flatnonzero(r["position"] == t)
             nodes = list(r["node"][at])
             assert nodes == list(range(len(at)))
+            want = (0.0, 0.0)
+            if t > 0:
+                logits, _ = target(it.prefix + y[: t - 1], target.new_cache(), last=1)
+                p = draft_probs(logits[0])
+                want = (float(entropy(p)), float(top2_margin(p)))
+            np.testing.assert_allclose(r["root_target_entropy"][at], want[0], atol=1e-4)
+            np.testing.assert_allclose(r["root_target_margin"][at], want[1], atol=1e-4)
             for j in at:
                 node, par = int(r["node"][j]), int(r["parent"][j])
                 assert par < node
@@ -77,6 +86,8 @@ def test_rows_are_trees_with_greedy_labels_and_the_extractors_features(close_pai
                     p = int(r["parent"][cur])
                     cur = at[p] if p >= 0 else None
                 assert bool(r["on_path"][j]) == (path == y[t : t + len(path)])
+                copy = ContextIndex(it.prefix + y[:t] + path[:-1]).copy_features(path[-1])
+                assert [r["copy_len"][j], r["lookup_hit"][j], r["lookup_len"][j]] == copy
                 if checked < 12:  # the parent's distribution by a fresh, cache-free draft pass
                     ctx = it.prefix + y[:t] + path[:-1]
                     logits, _ = draft(ctx, draft.new_cache(), last=1)
@@ -87,6 +98,7 @@ def test_rows_are_trees_with_greedy_labels_and_the_extractors_features(close_pai
                     assert r["q_token"][j] == pytest.approx(float(q[path[-1]]), abs=1e-5)
                     checked += 1
         assert r["on_path"].any()
+    assert any((r["copy_len"] > 1).any() for r in rows) and any(r["lookup_hit"].any() for r in rows)
 
 
 def test_tree_traces_keep_the_shard_and_resume_contract(tmp_path, tiny_pair, capsys):
@@ -163,12 +175,13 @@ def test_replay_on_hand_made_candidates():
     assert res["best_tree_vs_chain"]["value"] == pytest.approx(want)
 
 
-@pytest.mark.parametrize("name", ["eagle2", "learned_tree", "c2t"])
+@pytest.mark.parametrize("name", ["eagle2", "learned_tree", "c2t", "learned_tree_plus"])
 def test_dynamic_builders_replay_agrees_with_decode(close_pair, name):
-    """On the same prompts, decode's rounds (greedy, float32) are the replay's: tokens per round, and the verified
-    nodes of every round not cut by the end of the continuation. For the learned builders the replay reads the head's
+    """On the same prompts, decode's rounds (greedy, float32) are the replay's: tokens per round and verified nodes,
+    in every round not cut by the end of the continuation. For the learned builders the replay reads the head's
     scores off the trace rows (eval.tree_replay.head_scores' path: the kind's from_columns) while decode computes
-    them from its own tree (node_rows), so this also checks the two feature paths agree inside the builder."""
+    them from its own tree (node_rows), so this also checks the two feature paths agree inside the builder
+    (learned_tree_plus: a tree_node_plus head, whose copy and verify columns decode gets from the loop)."""
     from decode.loop import speculative
     from decode.tree_builders import C2T, Eagle2, LearnedTree
     from eval.tree_replay import candidates_from_columns, replay
@@ -182,10 +195,11 @@ def test_dynamic_builders_replay_agrees_with_decode(close_pair, name):
     cands = candidates_from_columns(cols)
     scores, make = None, lambda: Eagle2(topk=3, max_depth=3, max_nodes=12, profile=prof)
     if name != "eagle2":
-        bundle = make_head(close_pair, "tree_node", seed=1)
+        kind = "tree_node_plus" if name == "learned_tree_plus" else "tree_node"
+        bundle = make_head(close_pair, kind, seed=1)
         bundle.calibration = {"temperature": 0.3, "bias": 1.0, "mode": "platt"}  # spread the random head's scores
-        scores = bundle.prob(feature_kind("tree_node").from_columns(cols, bundle.spec)).reshape(-1).double().numpy()
-        cls = LearnedTree if name == "learned_tree" else C2T
+        scores = bundle.prob(feature_kind(kind).from_columns(cols, bundle.spec)).reshape(-1).double().numpy()
+        cls = C2T if name == "c2t" else LearnedTree
         extra = {"threshold": float(np.median(scores))} if name == "c2t" else {}
         make = lambda: cls(bundle=bundle, topk=3, max_depth=3, max_nodes=12, profile=prof, **extra)  # noqa: E731
     longest = 0
@@ -198,8 +212,10 @@ def test_dynamic_builders_replay_agrees_with_decode(close_pair, name):
         for k, n in dec.rounds:
             emitted.append(min(n + 1, cand.n - t))
             t += emitted[-1]
-        assert rep["tokens"] == emitted
+        # the rounds decode grows to full depth (a leading run): past them it grows no deeper than the tokens left,
+        # the replay's recorded trees are full-depth, so a head's selection there may differ
         full = [i for i, e in enumerate(np.cumsum([0] + emitted[:-1])) if cand.n - e - 1 >= builder.max_depth]
+        assert rep["tokens"][: len(full)] == emitted[: len(full)] and sum(rep["tokens"]) == cand.n
         assert [rep["nodes"][i] for i in full] == [dec.rounds[i][0] for i in full]
         longest = max(longest, max(rep["accepted"]))
     assert longest >= 2  # trees that accept more than one drafted token

@@ -183,20 +183,23 @@ def test_dear_draft_calls_cut_the_trees_levels(close_tiny):
         assert dear >= 1.0
 
 
-@pytest.mark.parametrize("name", ["learned_tree", "c2t"])
-def test_learned_builders_are_target_greedy_and_refuse_chain_heads(close_tiny, name):
+@pytest.mark.parametrize("name,kind", [("learned_tree", "tree_node"), ("c2t", "tree_node"),
+                                       ("learned_tree", "tree_node_plus")])
+def test_learned_builders_are_target_greedy_and_refuse_chain_heads(close_tiny, name, kind):
     """The node-head builders decode exactly target-only greedy (float32) with trees that branch, score each node
-    once, and refuse a chain head in one line."""
+    once, and refuse a chain head in one line; a tree_node_plus head (copy and verify node groups) makes the loop
+    hand each round's tree its context and the last verification's numbers."""
     from decode.loop import autoregressive, speculative
     from decode.tree_builders import C2T, LearnedTree
     from tests.test_decode import make_head
     from utils.cli import UserError
 
     cls = LearnedTree if name == "learned_tree" else C2T
-    bundle = make_head(close_tiny, "tree_node", seed=2)
+    bundle = make_head(close_tiny, kind, seed=2)
     bundle.calibration = {"temperature": 0.3, "bias": 2.0, "mode": "platt"}  # a confident random head: trees grow
     extra = {"threshold": 0.2} if name == "c2t" else {}
     builder = cls(bundle=bundle, topk=3, max_depth=4, max_nodes=12, profile=_profile(c=0.01), **extra)
+    assert builder.needs_context == builder.needs_verify_stats == (kind == "tree_node_plus")
     widest = 0
     for text in ("def f(x):", "import os\nclass A:", "hello world"):
         ids = close_tiny.tokenizer.encode(text)

@@ -97,7 +97,10 @@ class TraceDataModule(L.LightningDataModule):
                 if set(lack) & {"target_margin", "context_token", "prompt_tokens"}:
                     hint = (" (made before disco_plus features existed: regenerate them with python -m data_gen and the "
                             "same settings plus overwrite=true, or delete the trace folder and rerun train)")
-                if kind.tree:
+                if kind.tree and "on_path" in names:  # tree traces of an older TREE_FORMAT (data_gen.store)
+                    hint = (" (tree traces made before these node columns existed: regenerate them with python -m "
+                            "data_gen trace=tree and the same settings plus overwrite=true)")
+                elif kind.tree:
                     hint = " (node heads read token-tree traces: trace=tree)"
                 elif "on_path" in names:
                     hint = " (these are token-tree traces: train a node head, model=c2t | tree_node, labels=on_path)"
