@@ -169,7 +169,7 @@ def scored_rows(bundle, ds, folder: Path):
     cols = trace_columns(ds, want)
     y = make_labels(cols, labels_cfg)
     x = features_from_columns(cols, bundle.spec)
-    scores = torch.cat([bundle.prob(chunk) for chunk in torch.split(x, 65536)]).cpu().numpy().astype(np.float64)
+    scores = bundle.prob_rows(x)
     if not np.isfinite(scores).all():
         raise UserError(f"checkpoint {bundle.path} produced non-finite scores on {folder}; the head is broken, retrain it")
     return cols, y, scores, labels_cfg

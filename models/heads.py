@@ -343,6 +343,13 @@ class HeadBundle:
         return torch.sigmoid(self.logit(x) / t + b)
 
     @torch.no_grad()
+    def prob_rows(self, x: torch.Tensor, chunk: int = 65536):
+        """`prob` over many trace rows (eval, a node head's test report) in chunks of `chunk`, as float64 numpy."""
+        import numpy as np
+
+        return torch.cat([self.prob(part) for part in torch.split(x, chunk)]).cpu().numpy().astype(np.float64)
+
+    @torch.no_grad()
     def scorer(self):
         """A function raw features (spec.dim,) → P(accept) as a float, for one drafted token at a time in decode.
 

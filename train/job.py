@@ -406,13 +406,10 @@ def test_report(cfg: DictConfig, fit: Fit, spec, speed: dict | None, loggers: li
         results.update({f"test/auroc_{name}": auroc for name, auroc in baseline_auroc(test["base"], y, names).items()})
     nodes = test.get("nodes")
     if nodes is not None:  # a node head on both tasks, whatever it was trained on (eval.classifier.node_views)
-        import torch
-
         from data_gen.labels import is_conditional
         from eval.classifier import node_views
 
-        p_all = torch.cat([bundle.prob(chunk) for chunk in torch.split(nodes["x"], 65536)]).cpu().numpy()
-        views = node_views(p_all, nodes["on_path"], nodes["parent_row"], nodes["base"], spec.family.baselines,
+        views = node_views(bundle.prob_rows(nodes["x"]), nodes["on_path"], nodes["parent_row"], nodes["base"], spec.family.baselines,
                            is_conditional(bundle.labels))
         for view in ("path", "cond"):  # test/auroc_path, test/auroc_path_joint, ..., test/rows_cond, ...
             for k, v in views[view].items():
