@@ -246,9 +246,9 @@ def speculative(pair, prompt_ids: list[int], policy, max_new_tokens: int, temper
     dcache, tcache = draft.new_cache(), target.new_cache()
     out: list[int] = []
     res = GenResult(tokens=out)
-    ctx = list(prompt_ids) if s.want_ctx else None
-    vstats = None
     tree = bool(getattr(policy, "tree", False))
+    ctx = list(prompt_ids) if s.want_ctx and not tree else None  # a chain head's context (a tree's: cindex)
+    vstats = None
     # token trees whose node head reads them: the root context as n-gram index (models.features.node_copy_columns
     # pushes each node's path onto it and takes it back) and the last verification's (H_p, margin), (0, 0) at first
     cindex = ContextIndex(prompt_ids) if tree and s.want_ctx else None
@@ -287,7 +287,7 @@ def speculative(pair, prompt_ids: list[int], policy, max_new_tokens: int, temper
         res.policy_s += now() - ts
         new, done = _eos_cut(kept + [nxt], eos)
         out.extend(new)
-        if s.want_ctx:
+        if ctx is not None:
             ctx.extend(new)
         if cindex is not None:  # the builder's input: policy time
             ts = now()
