@@ -91,14 +91,14 @@ def sweep(cfg: DictConfig, cands, tree: dict, profile, scores_of) -> tuple[dict,
 
 
 def path_scores(builder, cands, scores: np.ndarray) -> np.ndarray:
-    """The scores a learned builder's threshold is read against: its head's P per trace row, or for a conditional
-    head (labels=on_path_given_parent, P given the parent) the product along each recorded tree's root path
-    (models.features.compose_path), the P(on path) it prunes by — over the replayed prompts' nodes."""
-    if not getattr(builder, "conditional", False):
-        return scores
+    """The scores a learned builder's threshold is read against: its head's P per trace row composed along each
+    recorded tree's root path as the builder prunes by it (models.features.compose_path) — the product for a
+    conditional head (labels=on_path_given_parent), the P capped by its parent's for an on_path head — over the
+    replayed prompts' nodes, so the quantiles are of the quantity the threshold meets."""
     from models.features import compose_path
 
-    return np.concatenate([compose_path(scores[rows], t.parents, "product") for c in cands
+    how = "product" if getattr(builder, "conditional", False) else "min"
+    return np.concatenate([compose_path(scores[rows], t.parents, how) for c in cands
                            for t, rows in zip(c.trees, c.rows)])
 
 

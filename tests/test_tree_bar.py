@@ -107,6 +107,22 @@ def test_interpolation_on_hand_made_curves():
     np.testing.assert_array_equal(counts(np.array([[0, 0, 2], [1, 2, 2]]), 3), [[2, 0, 1], [0, 1, 2]])
 
 
+def test_path_scores_are_what_the_threshold_meets():
+    """A learned builder's thresholds are quantiles of the P it prunes by: an on_path head's P capped by its parent's,
+    a conditional head's product along the root path — on each recorded tree's own rows."""
+    from types import SimpleNamespace
+
+    from eval.tree_sweep import path_scores
+
+    trees = [SimpleNamespace(parents=[-1, 0, 0, 1]), SimpleNamespace(parents=[-1, 0])]
+    cands = [SimpleNamespace(trees=trees, rows=[np.array([0, 1, 2, 3]), np.array([4, 5])])]
+    scores = np.array([0.5, 0.8, 0.4, 0.9, 0.3, 0.6])
+    np.testing.assert_allclose(path_scores(SimpleNamespace(conditional=False), cands, scores),
+                               [0.5, 0.5, 0.4, 0.5, 0.3, 0.3])
+    np.testing.assert_allclose(path_scores(SimpleNamespace(conditional=True), cands, scores),
+                               [0.5, 0.4, 0.2, 0.36, 0.3, 0.18])
+
+
 def _points(taus_a, taus_b, nodes, prompts=20, rounds=10):
     """Hand-made per-prompt sums: half the prompts at τ taus_a, half at taus_b, `nodes` per round throughout."""
     pts = []
