@@ -124,6 +124,10 @@ class FeatureSpec:
         if unknown:
             raise ValueError(f"unknown feature group(s) {sorted(unknown)}; known: {', '.join(GROUPS)}")
         object.__setattr__(self, "groups", tuple(g for g in GROUPS if g in tuple(self.groups or ())))
+        kind = feature_kinds().get(self.kind)
+        if kind is not None and self.groups and not set(self.groups) <= set(kind.group_names if kind.grouped else ()):
+            takes = ", ".join(kind.group_names) if kind.grouped else "none"
+            raise ValueError(f"a {self.kind} head takes the groups {takes}, not {list(self.groups)}")
         if "text" in self.groups and not self.text_classes:
             raise ValueError("the text group needs the tokenizer's token classes (text_classes=pack_classes(...))")
 
@@ -593,6 +597,7 @@ class FeatureKind:
     name = ""
     reads_probs = False  # the DISCO part (top-k q, H_q): decode computes q, traces store draft_topk / draft_entropy
     grouped = False  # takes optional column groups (`FeatureSpec.groups`, train's model.groups)
+    group_names: tuple = GROUPS  # the groups a grouped kind takes
     # scores token-tree nodes (`NodeFeatures`: tree traces, decode's tree builders) rather than chain drafting steps:
     # no round decoder, no chain speed rule or static-length baseline
     tree = False
@@ -831,15 +836,23 @@ class NodeFeatures(FeatureKind):
     # the tree (Tree.context, Tree.verify) and what only newer tree traces store (data_gen.store.TREE_FORMAT)
     node_groups: tuple = ()
 
+    def groups_of(self, spec: FeatureSpec) -> tuple:
+        """The node groups a head of this kind reads (grouped kinds: its spec's)."""
+        return self.node_groups
+
+    def parts_of(self, spec: FeatureSpec) -> tuple:
+        """The row's values in order for this spec (`parts`, then each read group's values)."""
+        return self.parts
+
     def names(self, spec):
         out = []
-        for part in self.parts:
+        for part in self.parts_of(spec):
             out += [f"top{i + 1}" for i in range(spec.k)] if part == "topk" else [part]
         return out
 
     def columns(self, spec):
         cols = []
-        for part in self.parts:
+        for part in self.parts_of(spec):
             cols += NODE_SOURCES[part]
         return tuple(dict.fromkeys(cols))
 
@@ -847,7 +860,7 @@ class NodeFeatures(FeatureKind):
         import numpy as np
 
         blocks = []
-        for part in self.parts:
+        for part in self.parts_of(spec):
             if part == "topk":
                 topk = np.asarray(cols["draft_topk"], dtype=np.float32)
                 if topk.ndim != 2 or topk.shape[1] < spec.k:
@@ -865,7 +878,7 @@ class NodeFeatures(FeatureKind):
             raise UserError(f"{self.name} features need tree-trace column(s) {lack} these traces lack (made before "
                             "them?); regenerate the tree traces with python -m data_gen trace=tree ... overwrite=true")
         cols = {c: _np(columns[c]) for c in self.columns(spec) if c in columns}
-        if "parent_q" in self.parts:
+        if "parent_q" in self.parts_of(spec):
             cols["parent_q"] = parent_q_column(columns)
         return self._matrix(cols, spec)
 
@@ -875,8 +888,8 @@ class NodeFeatures(FeatureKind):
         vocabulary (models.lm.LM.support) when it has one — the same values, fewer reads."""
         from models.tree import node_columns
 
-        k = spec.k if "topk" in self.parts else 0
-        return self._matrix(node_columns(tree, list(nodes), k, support, self.node_groups), spec)
+        k = spec.k if "topk" in self.parts_of(spec) else 0
+        return self._matrix(node_columns(tree, list(nodes), k, support, self.groups_of(spec)), spec)
 
     def positions(self, columns):
         """depth − 1: the node's position on its drafted path (0 = a child of the root), as a chain's round position."""
@@ -891,10 +904,10 @@ class NodeFeatures(FeatureKind):
                         "no chain-round decoder, so it cannot be a chain stop policy (learned:<ckpt>): use a disco head")
 
     def needs_context(self, spec):
-        return "copy" in self.node_groups
+        return "copy" in self.groups_of(spec)
 
     def needs_verify(self, spec):
-        return "verify" in self.node_groups
+        return "verify" in self.groups_of(spec)
 
 
 def _log(x):
@@ -959,11 +972,20 @@ class TreeNodePlusFeatures(TreeNodeFeatures):
       the node's root path up to its parent (`node_copy_columns`, the chain's ContextIndex).
     Not `hidden`: the parent's 576-float hidden state per node would take ~7 GB of tree traces for 500 prompts.
     Decode hands the builder the root context and the verification numbers (`needs_context`, `needs_verify`:
-    decode.loop attaches them to the tree, models.tree.grow)."""
+    decode.loop attaches them to the tree, models.tree.grow). `model.groups` picks either group alone (the ablation);
+    a spec without groups (the heads saved before groups were selectable) reads both."""
 
     name = "tree_node_plus"
-    parts = (*TreeNodeFeatures.parts, *VERIFY[:2], *COPY)
-    node_groups = ("verify", "copy")
+    grouped = True
+    group_names = ("verify", "copy")
+    node_groups = group_names
+    GROUP_PARTS = {"verify": VERIFY[:2], "copy": COPY}
+
+    def groups_of(self, spec):
+        return tuple(spec.groups) or self.node_groups
+
+    def parts_of(self, spec):
+        return (*TreeNodeFeatures.parts, *(p for g in self.groups_of(spec) for p in self.GROUP_PARTS[g]))
 
 
 def feature_kinds() -> dict[str, type[FeatureKind]]:

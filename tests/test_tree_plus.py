@@ -71,6 +71,27 @@ def test_copy_and_verify_on_a_hand_made_context():
     assert feature_kind("tree_node").node_rows(bare, [0], node).shape == (1, node.dim)  # tree_node needs neither
 
 
+def test_one_group_alone_for_the_ablation():
+    """model.groups picks either node group: the row is tree_node's + that group's values (equal to the full row's
+    columns), only what it reads is asked of decode, and a chain group is refused; no groups = both (older heads)."""
+    t = hand_tree()
+    kind = feature_kind("tree_node_plus")
+    full = kind.node_rows(t, list(range(5)), PLUS).numpy()
+    for groups, cols, context, verify in ((["copy"], list(COPY), True, False),
+                                          (["verify"], ["target_entropy", "target_margin"], False, True)):
+        spec = FeatureSpec("tree_node_plus", k=4, groups=groups)
+        node = FeatureSpec("tree_node", k=4)
+        assert spec.names == node.names + cols
+        assert (spec.needs_context, spec.needs_verify) == (context, verify)
+        x = kind.node_rows(t, list(range(5)), spec).numpy()
+        np.testing.assert_array_equal(x, full[:, [PLUS.names.index(c) for c in spec.names]])
+    assert FeatureSpec("tree_node_plus", k=4, groups=["copy", "verify"]).names == PLUS.names
+    with pytest.raises(ValueError, match="takes the groups verify, copy"):
+        FeatureSpec("tree_node_plus", groups=["token"])
+    with pytest.raises(ValueError, match="takes the groups none"):
+        FeatureSpec("tree_node", groups=["copy"])
+
+
 @torch.no_grad()
 def test_decode_hands_the_tree_the_traces_context_and_verification(tiny_cfg, monkeypatch):
     """Each decode round's tree (learned_tree with a tree_node_plus head, greedy) carries prompt + the output so far
