@@ -40,6 +40,8 @@ class GenResult:
     drafted: int = 0
     accepted: int = 0
     rounds: list[tuple[int, int]] = field(default_factory=list)  # (drafted, accepted) per verification
+    # token trees: per round, the nodes of each draft call after the root's (models.tree.Tree.levels; the cost model)
+    tree_levels: list[list[int]] = field(default_factory=list)
     draft_s: float = 0.0  # time in draft forwards (incl. q and sampling)
     target_s: float = 0.0  # time in target forwards (incl. verification)
     policy_s: float = 0.0  # time in should_stop + observe
@@ -218,6 +220,7 @@ def _tree_round(draft: LM, target: LM, dcache, tcache, d_pending, t_pending, bui
     `tstats`: the root context (a ContextIndex of prompt + output) and the last such numbers, handed to the tree
     for builders whose node head reads them (models.tree.Tree.context / .verify)."""
     tree, prefix_len, nodes = grow(draft, dcache, d_pending, builder, s, budget, res, cindex, tstats)
+    res.tree_levels.append(list(tree.levels))
     ts = time.perf_counter()
     path, nxt, z = tree_verify(target, tcache, t_pending, tree, nodes, s, res)
     d_pending = commit(draft, target, dcache, tcache, tree, prefix_len, path, nxt)

@@ -81,6 +81,7 @@ def record(res: GenResult, ref: GenResult | None) -> dict:
         "target_s": res.target_s,
         "policy_s": res.policy_s,
         "rounds": [list(r) for r in res.rounds],
+        **({"tree_levels": [list(x) for x in res.tree_levels]} if res.tree_levels else {}),
         "unchecked": res.unchecked,
         "tvd_sum": res.tvd_sum,
     }

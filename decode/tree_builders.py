@@ -15,6 +15,7 @@ verification pass where the profile says so, and on a CPU whose t(n) climbs with
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from decode.policies import StopPolicy
@@ -38,6 +39,9 @@ class TreeBuilder(StopPolicy):
     tree = True
     needs_probs = True
     needs_profile = True
+    # priced as the chain loop's rounds (one-token draft calls, a causal pass): eval.tree_replay's width-1 stand-ins
+    # for decode's chain policies; decode runs every builder as a tree round
+    chain_loop = False
 
     def __init__(self, max_depth: int = 6, profile=None):
         super().__init__(max_len=max_depth)
@@ -47,22 +51,24 @@ class TreeBuilder(StopPolicy):
         self.max_depth = int(max_depth)
         self.profile = profile
 
-    def round_cost(self, depth: int, nodes: int) -> float:
-        """A round's time in target steps (`CostProfile.round_steps`): `depth` draft calls (one per level, each
-        about a one-token call on a CPU) and a verification pass over the pending token + `nodes`."""
-        return self.profile.round_steps(depth, nodes)
+    def round_cost(self, levels: list[int], nodes: int) -> float:
+        """A round's time in target steps (`CostProfile.round_steps`): the root's draft call, one draft call per
+        level the draft runs on (`levels`: the nodes of each, priced by the profile's tree-level curve) and a
+        verification pass over the pending token + `nodes` (its tree-attention curve)."""
+        return self.profile.round_steps(1 + len(levels), nodes, None if self.chain_loop else list(levels))
 
-    def best_prefix(self, expected: float, levels: int, nodes: int, offers: list[tuple[float, int]]) -> int:
-        """How many of `offers` (gain, nodes) — the next level's candidates, best first — to draft: the prefix that
-        most raises the round's expected tokens per unit time, 0 when none does. `expected` tokens (1 + the nodes'
-        estimated acceptances) for `levels` draft calls and `nodes` verified nodes so far; the next level costs one
-        more draft call and its nodes' share of the verification pass. With one rank-1 offer this is exactly the
-        chain's expected-value stop rule (decode.policies.ExpectedValueRule: gain = survival × the last token's
-        probability), so a builder that uses it contains the expected-value chain."""
+    def best_prefix(self, expected: float, levels: list[int], nodes: int, offers: list[tuple[float, int]]) -> int:
+        """How many of `offers` (gain, nodes) — the nodes of the newest level the draft could run on, best first,
+        each with what its children add — to draft: the prefix that most raises the round's expected tokens per
+        unit time, 0 when none does. `expected` tokens (1 + the nodes' estimated acceptances) for the draft calls
+        `levels` (`round_cost`) and `nodes` verified nodes so far; taking m offers costs one more draft call on m
+        nodes and their children's share of the verification pass. With one rank-1 offer this is the chain's
+        expected-value stop rule (decode.policies.ExpectedValueRule: gain = survival × the last token's
+        probability) priced as a tree round, so a builder that uses it contains the expected-value chain."""
         best, best_m, gain, added = expected / self.round_cost(levels, nodes), 0, 0.0, 0
         for m, (g, n) in enumerate(offers, 1):
             gain, added = gain + g, added + n
-            value = (expected + gain) / self.round_cost(levels + 1, nodes + added)
+            value = (expected + gain) / self.round_cost([*levels, m], nodes + added)
             if value > best * (1 + 1e-12):
                 best, best_m = value, m
         return best_m
@@ -84,11 +90,13 @@ class TreeBuilder(StopPolicy):
         builder would verify, closed under ancestors. Static shapes: `static_shape()` matched by (parent, rank)."""
         return match_shape(*self.static_shape(), candidate)
 
-    def replay_cost(self, candidate, picked: list[int]) -> tuple[int, int]:
-        """(draft levels, verified nodes) of the round: a static shape drafts and verifies all of itself, whether or
-        not the candidate tree recorded every node of it."""
+    def replay_cost(self, candidate, picked: list[int]) -> tuple[list[int], int]:
+        """(the draft calls after the root's as `round_cost` takes them, verified nodes) of the round: a static
+        shape drafts and verifies all of itself, whether or not the candidate tree recorded every node of it."""
+        from models.tree_dp import run_levels
+
         parents, _ = self.static_shape()
-        return self.max_depth, len(parents)
+        return run_levels(parents), len(parents)
 
     def static_shape(self) -> tuple[list[int], list[int]]:
         """A static builder's tree as (parents, ranks), every parent before its children (−1: the root)."""
@@ -131,7 +139,8 @@ class GrownTree(TreeBuilder):
             frontier = self.expand(tree, new, level)
             if not frontier:
                 break
-        self._replay_levels = max(tree.depth, default=1)
+            tree.levels.append(len(frontier))  # decode's draft call on them (models.tree.grow)
+        self._replay_levels = list(tree.levels)
         return sorted(back[i] for i in self.select(tree))
 
     def replay_cost(self, candidate, picked):
@@ -188,7 +197,8 @@ class TreeStatic(TreeBuilder):
     def _best_depth(self, branching: list[int]) -> int:
         def speed(d):
             exp, nodes = self._value(branching[:d])
-            return (1 + exp) / self.round_cost(d, nodes)
+            sizes = [int(np.prod(branching[:lvl])) for lvl in range(1, d)]  # levels 1 .. d − 1 are run
+            return (1 + exp) / self.round_cost(sizes, nodes)
 
         return max(range(1, len(branching) + 1), key=speed)
 
@@ -231,7 +241,7 @@ class Sequoia(GrownTree):
 
     def __init__(self, rank_probs=RANK_PROBS, max_nodes: int = 32, max_depth: int = 12, spine_depth: int = 16,
                  profile=None):
-        from models.tree_dp import TreeTable
+        from models.tree_dp import TreeTable, run_levels
 
         super().__init__(max_depth, profile)
         self.rank_probs = [float(p) for p in rank_probs]
@@ -242,7 +252,7 @@ class Sequoia(GrownTree):
                 if table.value(n, depth) == float("-inf"):
                     continue
                 t = table.tree(n, depth)
-                speed = (1 + t.expected_accepted) / self.round_cost(t.depth, n)
+                speed = (1 + t.expected_accepted) / self.round_cost(run_levels(t.parents), n)
                 if speed > best + 1e-12:
                     best, shape = speed, t
         self.shape = shape
@@ -284,7 +294,7 @@ class Sequoia(GrownTree):
                 ratio = sum(self.rank_probs[r - 1] for _, r in spec if r <= len(self.rank_probs)) / self.rank_probs[0]
                 offers.append((a * ratio, len(spec), i))
         offers.sort(key=lambda o: -o[0] / o[1])
-        m = self.best_prefix(1.0 + sum(tree.joint), level, len(tree), [(g, n) for g, n, _ in offers])
+        m = self.best_prefix(1.0 + sum(tree.joint), tree.levels, len(tree), [(g, n) for g, n, _ in offers])
         return sorted(i for _, _, i in offers[:m])
 
     def replay_children(self, tree, parent, candidate, cparent, level):
@@ -351,12 +361,13 @@ class Eagle2(GrownTree):
     def _order(self, acc: list[float], tree) -> list[int]:
         return sorted(range(len(tree)), key=lambda i: (-acc[i], tree.depth[i], i))[: self.max_nodes]
 
-    def _best(self, acc: list[float], tree, levels: int) -> tuple[float, int]:
-        """(expected tokens, N) of the best selection: the N most likely nodes with the most tokens per unit time."""
-        best, best_e, best_n, gain = 1.0 / self.round_cost(levels, 0), 1.0, 0, 0.0
+    def _best(self, acc: list[float], tree) -> tuple[float, int]:
+        """(expected tokens, N) of the best selection: the N most likely nodes with the most tokens per unit time,
+        costed with the draft calls the round has made so far (`tree.levels`)."""
+        best, best_e, best_n, gain = 1.0 / self.round_cost(tree.levels, 0), 1.0, 0, 0.0
         for n, node in enumerate(self._order(acc, tree), 1):
             gain += acc[node]
-            value = (1 + gain) / self.round_cost(levels, n)
+            value = (1 + gain) / self.round_cost(tree.levels, n)
             if value > best:
                 best, best_e, best_n = value, 1 + gain, n
         return best_e, best_n
@@ -373,22 +384,22 @@ class Eagle2(GrownTree):
         top.sort(key=lambda i: -acc[i])
         if self.nodes is not None:
             return top
-        expected, n = self._best(acc, tree, level)
+        expected, n = self._best(acc, tree)
 
         def offer(i):  # the rank-1 child's chance: the node's, times its own chance given its parent (the chain's)
             par = tree.parents[i]
             cond = acc[i] if par < 0 else (acc[i] / acc[par] if acc[par] > 0 else 0.0)
             return acc[i] * cond, 1
 
-        return top[: self.best_prefix(expected, level, n, [offer(i) for i in top])]
+        return top[: self.best_prefix(expected, tree.levels, n, [offer(i) for i in top])]
 
     def select(self, tree):
-        """The best N by acceptance, costed with the levels the round drafted (every level paid a draft call)."""
+        """The best N by acceptance, costed with the draft calls the round made (every level paid one)."""
         acc = self.acceptance(tree)
         if self.threshold is not None:  # the nodes above it, at most `nodes` (max_nodes) of them
             keep = sum(1 for a in acc if a >= self.threshold)
             return self._order(acc, tree)[: keep if self.nodes is None else min(keep, self.nodes)]
-        n = self.nodes if self.nodes is not None else self._best(acc, tree, max(tree.depth, default=1))[1]
+        n = self.nodes if self.nodes is not None else self._best(acc, tree)[1]
         return self._order(acc, tree)[:n]
 
     def describe(self):

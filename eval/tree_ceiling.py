@@ -11,13 +11,13 @@ from the pair's measured acceptance-by-rank vector and cost profile (issue 30).
    rank_vector[r-1] = P(rank = r) for r ≤ max_rank; `beyond` = the rest.
 2. Costs: the pair's measured profile (models.cost.get_profile, the cache decode reads; measured when missing).
 3. Trees: models.tree_dp, position independence (a rank-r child is accepted with p_r given its parent was).
-4. Speedup of a round = (1 + E[accepted]) · t_target(1) ÷ (draft cost + verify cost), where verify = one target pass
-   over n + 1 tokens (pending + n nodes; past the profile's measured range linear from its last two points, never
-   below the last; the report says when) and draft = one call per tree level, the first at draft_cold_ms and the
-   rest at draft_ms[0]. Assumption: on a CPU a draft call over a level of a few nodes costs about one one-token call
-   (the weights are streamed once either way), so depth, not size, prices drafting.
+4. Speedup of a round = (1 + E[accepted]) · t_target(1) ÷ (draft cost + verify cost), `CostProfile.round_steps`:
+   a tree's verify = one tree-attention target pass over n + 1 tokens (pending + n nodes; past the profile's
+   measured range linear from its last two points, never below the last; the report says when) and its draft = the
+   root's call at draft_cold_ms, then one call per level the draft runs on, priced by how many nodes it runs
+   (`draft_level_ms`). A chain is priced as decode's chain loop runs it (one-token draft calls, a causal pass).
    Per size n the tree is the depth bound's optimum with the best speedup; the best chain is max over K of
-   (1 + p₁ + … + p₁^K) under the same model. The *flat* regime sets t_target(n) = t_target(1) (a GPU's verification
+   (1 + p₁ + … + p₁^K) under the chain's costs. The *flat* regime sets t_target(n) = t_target(1) (a GPU's verification
    pass: wide trees are nearly free there), draft costs unchanged.
 Writes <out_dir>/ceiling.json and ceiling.md. An upper bound for static trees: acceptance is measured on the target's
 own path, and real positions are not independent.
@@ -33,7 +33,7 @@ import torch
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from models.tree_dp import TreeTable, chain, score_tree
+from models.tree_dp import TreeTable, chain, run_levels, score_tree
 from utils.cli import UserError, command, hydra_entry, output_dir
 from utils.files import write_text_atomic
 
@@ -85,24 +85,30 @@ def costs(prof, max_nodes: int) -> dict:
     warm one. The speedups themselves are costed by `CostProfile.round_steps`."""
     target = [float(prof.target(n)) for n in range(1, max_nodes + 2)]  # past the measured range: never below the last
     cold = float(prof.draft_cold_ms or prof.draft_ms[0])
+    tree = [prof.tree_target(n) / target[0] for n in range(1, max_nodes + 2)]
+    level = [prof.level_draft(n) / float(prof.draft_ms[0]) for n in range(1, max_nodes + 1)]
     return {"target_ms": target, "draft_ms": float(prof.draft_ms[0]), "draft_cold_ms": cold,
+            "tree_target_ratio": tree if prof.target_tree_ms else None,
+            "level_draft_ratio": level if prof.draft_level_ms else None,
             "target_ratio": [t / target[0] for t in target], "c": float(prof.draft_ms[0]) / target[0],
             "c_cold": cold / target[0], "measured_max_n": len(prof.target_ms),
             "extrapolated": max_nodes + 1 > len(prof.target_ms), "measured": prof.date,
             "other_load_cores": prof.extra.get("other_load_cores")}
 
 
-def speedup(e: float, n: int, depth: int, prof, flat: bool) -> float:
-    """(1 + E) target steps' tokens per round ÷ the round's cost in target steps (`depth` draft calls + one target
-    pass over n + 1 tokens; flat: a pass as cheap as a one-token step)."""
-    return (1.0 + e) / prof.round_steps(depth, 0 if flat else n)
+def speedup(e: float, n: int, levels: list[int] | None, prof, flat: bool, calls: int = 0) -> float:
+    """(1 + E) target steps' tokens per round ÷ the round's cost in target steps: a tree's root draft call, its
+    `levels` (nodes per further draft call) and one tree pass over n + 1 tokens, or (levels None) a chain's `calls`
+    one-token draft calls and a causal pass; flat: a pass as cheap as a one-token step."""
+    v = 0 if flat else n
+    return (1.0 + e) / (prof.round_steps(calls, v) if levels is None else prof.round_steps(1 + len(levels), v, levels))
 
 
 def best_chain(p: list[float], max_nodes: int, prof, flat: bool) -> dict:
     rows = []
     for k in range(1, max_nodes + 1):
         e = score_tree(p, *chain(k))
-        rows.append({"k": k, "e": e, "speedup": speedup(e, k, k, prof, flat)})
+        rows.append({"k": k, "e": e, "speedup": speedup(e, k, None, prof, flat, calls=k)})
     return max(rows, key=lambda r: r["speedup"])
 
 
@@ -113,7 +119,7 @@ def best_tree(table: TreeTable, n: int, prof, flat: bool) -> dict:
         if table.value(n, d) == float("-inf"):
             continue
         t = table.tree(n, d)
-        s = speedup(t.expected_accepted, n, t.depth, prof, flat)
+        s = speedup(t.expected_accepted, n, run_levels(t.parents), prof, flat)
         if best is None or s > best["speedup"] + 1e-12:
             best = {"e": t.expected_accepted, "depth": t.depth, "speedup": s, "parents": list(t.parents),
                     "ranks": list(t.ranks)}
@@ -156,7 +162,12 @@ def markdown(res: dict) -> str:
         f"Cost profile ({c['measured']}): c = {c['c']:.3f} (first draft call of a round {c['c_cold']:.3f}); "
         "t(n)/t(1): " + ", ".join(f"n={n} {c['target_ratio'][n - 1]:.2f}" for n in shown)
         + (f"; past n={c['measured_max_n']} (the measured range) linear from the last two points, never below "
-           f"t({c['measured_max_n']})." if c["extrapolated"] else "."), "",
+           f"t({c['measured_max_n']})." if c["extrapolated"] else ".")
+        + ("" if not c.get("tree_target_ratio") else " Tree rounds: tree-attention pass t(n)/t(1) "
+           + ", ".join(f"n={n} {c['tree_target_ratio'][n - 1]:.2f}" for n in shown))
+        + ("" if not c.get("level_draft_ratio") else "; a draft call on a level of n nodes ÷ a draft step "
+           + ", ".join(f"n={n} {c['level_draft_ratio'][n - 1]:.2f}" for n in shown
+                       if n <= len(c["level_draft_ratio"])) + "."), "",
     ]
     for reg, label in (("measured", "measured t(n)"), ("flat", "flat t(n) = t(1)")):
         ch, bt = res["best_chain"][reg], res["best_tree"][reg]

@@ -15,9 +15,11 @@ tree is compared with the best chain (`best_tree_vs_chain`).
 Agreement with decode: eagle2 with the trace's top-k picks exactly decode's nodes, so its rounds are decode's up to
 draft numerics (decode's draft cache is built round by round, the trace's position by position: near-tied joints can
 order differently); a static shape's nodes the trace lacks (an unexpanded parent, a rank past the trace's top-k) are
-paid for and never accepted (a lower bound on its τ). Time is the cost model: a round costs its draft levels × c (the
-first call at the profile's cold cost when it has one) + t(nodes + 1)/t(1), against one target step per token
-(prefills excluded on both sides). Intervals: 95% bootstrap over prompts (utils.stats), paired across builders.
+paid for and never accepted (a lower bound on its τ). Time is the cost model (`CostProfile.round_steps`): a tree
+round costs its root draft call (the profile's cold cost when it has one), one draft call per level it ran on (priced
+by the nodes it ran on) and a tree-attention pass over nodes + 1; the chains `chain_*` are priced as decode's chain
+loop runs them (one-token draft calls, a causal pass); against one target step per token (prefills excluded on both
+sides). A trace's profile measured before the tree curves prices tree rounds as chains. Intervals: 95% bootstrap over prompts (utils.stats), paired across builders.
 Writes tree_replay.json, tree_replay.md and speedup.png (each builder's cost-model speedup with its interval).
 """
 
@@ -116,9 +118,10 @@ def replay_prompt(builder, cand: Candidates, profile) -> dict:
         acc = accepted(tree, on, picked)
         levels, nodes = builder.replay_cost(tree, picked)
         emit = min(acc + 1, cand.n - t)
-        for key, v in zip(rounds, (emit, acc, nodes, levels)):
+        for key, v in zip(rounds, (emit, acc, nodes, 1 + len(levels))):  # levels: draft calls, the root's included
             rounds[key].append(v)
-        cost += profile.round_steps(levels, nodes)
+        # a chain of the chain loop (`chains`) is priced as one; a tree builder's round as the tree round decode runs
+        cost += profile.round_steps(1 + len(levels), nodes, None if builder.chain_loop else levels)
         t += emit
     return {**rounds, "cost": cost}
 
@@ -131,6 +134,8 @@ def chains(depth: int, profile) -> dict:
 
     out = {f"chain_{k}": TreeStatic(branching=[1] * k, max_depth=k, profile=profile) for k in range(1, depth + 1)}
     out["chain_ev"] = Sequoia(rank_probs=[1.0], max_nodes=1, max_depth=1, spine_depth=depth, profile=profile)
+    for b in out.values():  # decode drafts these in its chain loop: one-token draft calls, a causal pass
+        b.chain_loop = True
     return out
 
 

@@ -11,7 +11,13 @@ expected-value stop rule) reads this curve instead:
 - `draft_cold_ms`: the first draft call of a round, right after a target pass has pushed the draft's weights out of
   the CPU caches (measured 1.2-1.5× a warm step on a 2-core EPYC: it is most of the draft cost of short rounds);
 - `target_ms[n-1]`: one target call on n new tokens with logits at all n (verification of n-1 drafted tokens);
-- `prefill_ms`: first calls on a fresh cache of L prompt tokens, for a few L (interpolated between them).
+- `prefill_ms`: first calls on a fresh cache of L prompt tokens, for a few L (interpolated between them);
+- token trees (decode.tree) call the models differently, so their rounds read two more curves:
+  `draft_level_ms[n-1]`, one draft call on a tree level of n nodes with logits at all n (tree-attention mask), and
+  `target_tree_ms[n-1]`, one verification pass over the pending token + n-1 tree nodes (tree-attention mask). A
+  tree's level call and masked pass cost more than a chain's one-token call and causal pass of the same size; priced
+  as the chain's, the cost model overstated trees' speedups by 9-15% on a 2-core EPYC (results/tree_wall). Profiles
+  measured before them lack both (None): their tree rounds are priced as chains.
 Each is the median of `repeats` timed calls after warm-up, through `models.lm.LM` (the loop's own code path), at
 a context of `context` tokens. Measured once per (pair, draft, dtype, linear, device, threads, torch, machine) and
 cached under `<cache>/profiles/`; every decode run.json and trace manifest carries the profile it used. A profile
@@ -73,6 +79,8 @@ class CostProfile:
     date: str = ""
     draft_cold_ms: float | None = None  # None (older profiles): as a warm step
     extra: dict = field(default_factory=dict)
+    draft_level_ms: list[float] | None = None  # None (older profiles): a level call as a one-token step
+    target_tree_ms: list[float] | None = None  # None (older profiles): a tree pass as the causal one
 
     # -- reading the curve ------------------------------------------------------------------------------------
     def target(self, n) -> np.ndarray | float:
@@ -97,14 +105,32 @@ class CostProfile:
         """t_target(n) ÷ t_target(1): what a verification pass over n tokens costs in target steps."""
         return self.target(n) / self.target_ms[0]
 
-    def round_steps(self, draft_calls: int, verified: int) -> float:
-        """One speculative round in target steps, as `modeled_ms` costs a later round: `draft_calls` draft calls
-        (a chain's k, a tree's levels), the first cold — right after a target pass — where the profile measured
-        it, and one target pass over the pending token + `verified` drafted tokens (a chain's k, a tree's nodes).
+    def level_draft(self, n) -> float:
+        """t of a draft call on a tree level of n nodes (`draft_level_ms`; older profiles: a one-token step)."""
+        return float(_interp(n, np.arange(1, len(self.draft_level_ms) + 1), self.draft_level_ms)
+                     if self.draft_level_ms else self.draft_ms[0])
+
+    def tree_target(self, n) -> float:
+        """t of a verification pass over n tokens of a tree round (`target_tree_ms`; older profiles: `target`)."""
+        return float(_interp(n, np.arange(1, len(self.target_tree_ms) + 1), self.target_tree_ms)
+                     if self.target_tree_ms else self.target(n))
+
+    def round_steps(self, draft_calls: int, verified: int, levels: list[int] | None = None) -> float:
+        """One speculative round in target steps, as `modeled_ms` costs a later round: `draft_calls` draft calls,
+        the first cold — right after a target pass — where the profile measured it, and one target pass over the
+        pending token + `verified` drafted tokens. A chain (`levels` None): k one-token draft calls and a causal
+        pass over k + 1. A token tree: `levels` lists the nodes of each draft call after the first (the levels the
+        draft ran on, len(levels) = draft_calls − 1), each priced by `level_draft`, and the pass by `tree_target`.
         The one cost of a round that decode's expected-value rule and tree builders and the replays share."""
+        if not draft_calls:
+            return float(self.target(verified + 1) / self.target_ms[0])
         cold = self.draft_cold_ms if self.draft_cold_ms is not None else self.draft_ms[0]
-        draft = cold + (draft_calls - 1) * self.draft_ms[0] if draft_calls else 0.0
-        return float((draft + self.target(verified + 1)) / self.target_ms[0])
+        if levels is None:
+            return float((cold + (draft_calls - 1) * self.draft_ms[0] + self.target(verified + 1)) / self.target_ms[0])
+        if len(levels) != draft_calls - 1:
+            raise ValueError(f"round_steps: {draft_calls} draft calls need {draft_calls - 1} level sizes, got {levels}")
+        draft = cold + sum(self.level_draft(w) for w in levels)
+        return float((draft + self.tree_target(verified + 1)) / self.target_ms[0])
 
     # -- storage ----------------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -132,6 +158,13 @@ class CostProfile:
                  f"c = {self.cost_ratio:.3f}",
                  "target pass over n tokens ÷ target step: "
                  + ", ".join(f"n={n} {float(self.verify_ratio(n)):.2f}" for n in ns),
+                 *([] if not self.target_tree_ms else [
+                     "token trees: masked target pass over n tokens ÷ target step: " + ", ".join(
+                         f"n={n} {self.tree_target(n) / self.target_ms[0]:.2f}" for n in ns)]),
+                 *([] if not self.draft_level_ms else [
+                     "token trees: draft call on a level of n nodes ÷ draft step: " + ", ".join(
+                         f"n={n} {self.level_draft(n) / self.draft_ms[0]:.2f}" for n in ns
+                         if n <= len(self.draft_level_ms))]),
                  "prefill (ms) target / draft: " + ", ".join(
                      f"L={L} {t:.0f}/{d:.0f}" for L, t, d in zip(self.prefill_lengths, self.prefill_target_ms,
                                                                self.prefill_draft_ms))]
@@ -163,6 +196,7 @@ def profile_key(pair, settings: DictConfig) -> dict:
             "linear": getattr(pair, "linear", "torch"), "forward": getattr(pair, "forwards", {}),
             "device": str(pair.device), "threads": torch.get_num_threads(), "torch": torch.__version__,
             "machine": machine(), "max_n": int(settings.max_n), "context": int(settings.context),
+            "max_level": int(settings.get("max_level", 0) or 0), "tree": bool(settings.get("tree", True)),
             "prefill_lengths": [int(x) for x in settings.prefill_lengths]}
 
 
@@ -207,8 +241,9 @@ def measure(pair, settings: DictConfig, progress: bool = True) -> CostProfile:
 
     repeats, warmup = int(settings.repeats), int(settings.warmup)
     gen = torch.Generator().manual_seed(0)
+    longest = max(int(settings.max_n), int(settings.get("max_level", 0) or 0))
     ids = torch.randint(100, max(pair.vocab_size - 1, 101), (max(int(settings.context),
-                        max(settings.prefill_lengths)) + int(settings.max_n) + 2,), generator=gen).tolist()
+                        max(settings.prefill_lengths)) + longest + 2,), generator=gen).tolist()
     clock = Clock(pair.device)
 
     c = int(settings.context)
@@ -231,8 +266,27 @@ def measure(pair, settings: DictConfig, progress: bool = True) -> CostProfile:
         step(draft, dcache, 1, 1)()
         return clock() - t
 
+    def tree_step(lm: LM, cache, n: int, pending: int):
+        """A tree call: `pending` committed tokens run causally, then n − pending nodes (children of the last
+        committed token: the mask's shape, not its branching, is what costs), logits at all n."""
+        from models.lm import tree_attention
+
+        nodes = n - pending
+        pos, mask = tree_attention([-1] * nodes, list(range(nodes)), c + pending, c, None, lm.device)
+
+        def call():
+            lm(ids[c: c + n], cache, last=n, positions=pos, mask=mask)
+            cache.crop(-n)
+        return call
+
+    # the draft's level calls right after its one-token calls (warm, as in a round: the cold first call of a round
+    # is `draft_cold`), the target's tree passes after its causal ones
     probes = {("draft", 1): step(draft, dcache, 1, 1), ("draft", 2): step(draft, dcache, 2, 1)}
+    levels = int(settings.get("max_level", 0) or 0)
+    probes.update({("draft_level", n): tree_step(draft, dcache, n, 0) for n in range(1, levels + 1)})
     probes.update({("target", n): step(target, tcache, n, n) for n in range(1, max_n + 1)})
+    probes.update({("target_tree", n): tree_step(target, tcache, n, 1)
+                   for n in range(1, max_n + 1) if settings.get("tree", True)})
     for length in lengths:
         probes[("prefill_target", length)] = lambda L=length: target(ids[:L], target.new_cache(), last=1)
         probes[("prefill_draft", length)] = lambda L=length: draft(ids[:L], draft.new_cache(), last=1)
@@ -256,11 +310,14 @@ def measure(pair, settings: DictConfig, progress: bool = True) -> CostProfile:
     target_ms = [ms[("target", n)] for n in range(1, max_n + 1)]
     pre_t = [ms[("prefill_target", L)] for L in lengths]
     pre_d = [ms[("prefill_draft", L)] for L in lengths]
+    level_ms = [ms[("draft_level", n)] for n in range(1, levels + 1)] or None
+    tree_ms = [ms[key] for key in sorted(k for k in ms if k[0] == "target_tree")] or None
     return CostProfile(key=profile_key(pair, settings), draft_ms=draft_ms, target_ms=target_ms,
                        prefill_lengths=lengths, prefill_target_ms=pre_t, prefill_draft_ms=pre_d,
                        context=int(settings.context), repeats=repeats, draft_cold_ms=draft_cold,
                        date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                       extra={} if load is None else {"other_load_cores": round(load, 2)})
+                       extra={} if load is None else {"other_load_cores": round(load, 2)},
+                       draft_level_ms=level_ms, target_tree_ms=tree_ms)
 
 
 def cache_path(pair, key: dict) -> Path:
@@ -299,19 +356,34 @@ DEFAULTS = OmegaConf.load(Path(__file__).resolve().parent.parent / "conf" / "pro
 # ------------------------------------------------------------------------------------------------- cost model
 
 
+def _tree_ms(row: dict, prof: CostProfile, prompt: int) -> float:
+    """`modeled_ms` of a token-tree row: per round the root's draft call (the first round's is the draft's
+    prefill, later ones cold), its level calls and one tree pass over pending + verified nodes (the first round's
+    inside the target's prefill)."""
+    ks = [k for k, _ in row["rounds"]]
+    target = prof.prefill_target(prompt + ks[0]) + sum(prof.tree_target(k + 1) for k in ks[1:])
+    cold = prof.draft_cold_ms if prof.draft_cold_ms is not None else prof.draft(1)
+    draft = prof.prefill_draft(prompt) + (len(ks) - 1) * cold
+    draft += sum(prof.level_draft(w) for levels in row["tree_levels"] for w in levels)
+    return float(target + draft)
+
+
 def modeled_ms(row: dict, prof: CostProfile) -> float:
     """What one decode row (a prompt's target-only or speculative generation) costs under the profile.
 
     Target-only: a prefill of the prompt, then one 1-token step per further token. Speculative: both prefills
     (the target's first call also verifies the first round, so it runs prompt + k₁ tokens), one target pass over
     k+1 tokens per later round, one draft step per further draft call — the first of each round cold.
-    transformers' loop (no per-round record) is costed at its mean round length.
+    transformers' loop (no per-round record) is costed at its mean round length. A token-tree row (its per-round
+    `tree_levels`) is costed as `round_steps` costs a tree round: tree-attention passes, level calls by their size.
     """
     prompt = int(row.get("prompt_tokens") or prof.context)
     tcalls, dcalls = int(row["target_calls"]), int(row["draft_calls"])
     if not dcalls:  # target-only
         return float(prof.prefill_target(prompt) + max(tcalls - 1, 0) * prof.target(1))
     rounds = row.get("rounds") or []
+    if row.get("tree_levels") and rounds:
+        return _tree_ms(row, prof, prompt)
     if rounds:
         ks = np.array([k for k, _ in rounds], dtype=float)
         target = prof.prefill_target(prompt + ks[0]) + float(np.sum(prof.target(ks[1:] + 1)))

@@ -42,6 +42,7 @@ class Tree:
     dpos: dict = field(default_factory=dict)
     tpos: dict = field(default_factory=dict)  # verified nodes' positions in the target cache
     score: list = field(default_factory=list)
+    levels: list = field(default_factory=list)  # nodes of each draft call after the root's (what a round costs)
     context: object = None
     verify: tuple | None = None
 
@@ -98,6 +99,7 @@ def grow(draft, dcache, d_pending: list[int], expander, temperature: float = 0.0
         if not frontier:
             break
         run_nodes(draft, dcache, tree, frontier, prefix_len, temperature, top_p)
+        tree.levels.append(len(frontier))
         calls += 1
     return tree, prefix_len, calls
 

@@ -91,6 +91,18 @@ class TreeTable:
             r += 1
 
 
+def run_levels(parents: Sequence[int]) -> list[int]:
+    """The draft calls a static shape costs after the root's: per depth 1 .. depth − 1, its nodes with children
+    (the draft runs a node to propose its children; `CostProfile.round_steps`' `levels`)."""
+    level: list[int] = []
+    for par in parents:
+        level.append(1 if par < 0 else level[par] + 1)
+    out = [0] * max(max(level, default=0) - 1, 0)
+    for par in set(parents) - {-1}:
+        out[level[par] - 1] += 1
+    return out
+
+
 def _depth(parents: Sequence[int]) -> int:
     level: list[int] = []
     for par in parents:

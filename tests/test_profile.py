@@ -22,7 +22,7 @@ from models.distributions import draft_probs
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-SMALL = {"max_n": 4, "context": 16, "prefill_lengths": [8, 16], "repeats": 2, "warmup": 1}
+SMALL = {"max_n": 4, "max_level": 6, "context": 16, "prefill_lengths": [8, 16], "repeats": 2, "warmup": 1}
 
 
 def flat_profile(c: float, target_ms=None) -> CostProfile:
@@ -40,7 +40,9 @@ def test_profile_is_measured_once_then_cached(tiny_pair, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECSTOP_CACHE", str(tmp_path))
     prof = get_profile(tiny_pair, SMALL)
     assert len(prof.target_ms) == 4 and len(prof.draft_ms) == 2 and len(prof.prefill_target_ms) == 2
-    assert all(t > 0 for t in prof.target_ms + prof.draft_ms + prof.prefill_draft_ms)
+    assert len(prof.draft_level_ms) == 6 and len(prof.target_tree_ms) == 4  # token trees' calls (max_level, max_n)
+    assert all(t > 0 for t in prof.target_ms + prof.draft_ms + prof.prefill_draft_ms + prof.draft_level_ms
+               + prof.target_tree_ms)
     assert prof.key["dtype"] == "float32" and prof.key["threads"] == 1
     assert list((tmp_path / "profiles").glob("tiny_random-*.json"))
     monkeypatch.setattr(dp, "measure", lambda *a, **k: pytest.fail("measured again despite the cache"))
@@ -101,6 +103,27 @@ def test_cost_model_charges_longer_verification():
     assert steep < flat
     assert modeled_ms(spec, flat_profile(0.1, target_ms=[1.0, 1.2, 1.4, 1.6, 1.8])) == pytest.approx(
         1.0 + 4 * 1.8 + 0.1 + 19 * 0.1)
+
+
+def test_tree_rounds_are_priced_by_their_own_curves():
+    """A token tree's round: the root's draft call cold, each level call by its size (`draft_level_ms`), the pass
+    by the tree-attention curve; a chain's as before; a profile without the tree curves prices both alike; a tree
+    row's modeled time sums its rounds so."""
+    prof = flat_profile(0.1, target_ms=[1.0, 1.2, 1.4, 1.6, 1.8])
+    prof.draft_cold_ms = 0.15
+    assert prof.round_steps(3, 4, [2, 3]) == pytest.approx(0.15 + 0.1 + 0.1 + 1.8)  # no tree curves: as a chain's
+    prof.draft_level_ms, prof.target_tree_ms = [0.1, 0.12, 0.14, 0.16], [1.0, 1.3, 1.6, 1.9, 2.2]
+    assert prof.round_steps(3, 4, [2, 3]) == pytest.approx(0.15 + 0.12 + 0.14 + 2.2)
+    assert prof.round_steps(3, 4) == pytest.approx(0.15 + 2 * 0.1 + 1.8)  # a chain round reads the chain curves
+    assert prof.round_steps(0, 2) == pytest.approx(1.4)
+    with pytest.raises(ValueError, match="2 level sizes"):
+        prof.round_steps(3, 4, [2])
+    row = {"new_tokens": 9, "target_calls": 3, "draft_calls": 7, "drafted": 9, "prompt_tokens": 40,
+           "rounds": [[4, 2], [3, 3], [2, 1]], "tree_levels": [[2, 1], [3], []]}
+    # the target's prefill (1.0: flat_profile) with the first pass; later passes over 3 + 1 and 2 + 1 tokens; the
+    # draft's prefill (0.1), two cold root calls, the level calls on 2, 1 and 3 nodes
+    assert modeled_ms(row, prof) == pytest.approx(1.0 + 1.9 + 1.6 + 0.1 + 2 * 0.15 + 0.12 + 0.1 + 0.14)
+    assert CostProfile.from_dict(json.loads(json.dumps(prof.to_dict()))).draft_level_ms == prof.draft_level_ms
 
 
 def test_decode_run_json_carries_the_profile(cli, tmp_path):

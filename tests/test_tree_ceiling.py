@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 from eval.tree_ceiling import check, speedup
 from models.cost import CostProfile
-from models.tree_dp import TreeTable, best_static_tree, chain, score_tree
+from models.tree_dp import TreeTable, best_static_tree, chain, run_levels, score_tree
 from utils.cli import UserError
 
 NEG = float("-inf")
@@ -80,14 +80,22 @@ def test_high_p1_chain_wins_and_flat_ranks_go_wide():
         t = best_static_tree(p, n)
         assert (t.parents, t.ranks) == chain(n)
     flat_p = [0.1] * 8
-    k_best = max(range(1, 9), key=lambda k: speedup(score_tree(flat_p, *chain(k)), k, k, COSTS, True))
-    chain_s = speedup(score_tree(flat_p, *chain(k_best)), k_best, k_best, COSTS, True)
+    k_best = max(range(1, 9), key=lambda k: speedup(score_tree(flat_p, *chain(k)), k, None, COSTS, True, calls=k))
+    chain_s = speedup(score_tree(flat_p, *chain(k_best)), k_best, None, COSTS, True, calls=k_best)
     table = TreeTable(flat_p, 16)
-    tree_s = max(speedup(table.tree(n, d).expected_accepted, n, table.tree(n, d).depth, COSTS, True)
+    tree_s = max(speedup(table.tree(n, d).expected_accepted, n, run_levels(table.tree(n, d).parents), COSTS, True)
                  for n in range(1, 17) for d in range(1, n + 1) if table.value(n, d) > NEG)
     assert tree_s > 1.2 * chain_s
     wide = table.tree(8, 1)
     assert wide.depth == 1 and sorted(wide.ranks) == list(range(1, 9))
+    # without tree curves a tree round costs what the chain's does, and the chains are static trees: never below
+    from eval.tree_ceiling import analyse
+
+    res = analyse({"rank_vector": [0.6, 0.1, 0.05, 0.02]}, COSTS, 8)
+    assert res["static_tree_vs_chain"] >= 1 - 1e-9 and res["static_tree_vs_chain_flat"] >= 1 - 1e-9
+    # dear level calls and tree passes: the same trees against the same chains fall below
+    dear = CostProfile(**{**COSTS.__dict__, "draft_level_ms": [3.0] * 8, "target_tree_ms": [14.0] * 20})
+    assert analyse({"rank_vector": [0.6, 0.1, 0.05, 0.02]}, dear, 8)["static_tree_vs_chain"] < 1
 
 
 def test_command_on_the_tiny_pair(cli, tmp_path):
@@ -102,7 +110,8 @@ def test_command_on_the_tiny_pair(cli, tmp_path):
         assert key in res, key
     assert len(res["rank_vector"]) == 4 and sum(res["rank_vector"]) + res["beyond"] == pytest.approx(1.0)
     assert [row["n"] for row in res["sizes"]] == list(range(1, 7)) and res["profile"]["extrapolated"]
-    assert res["static_tree_vs_chain"] >= 1 - 1e-9 and res["static_tree_vs_chain_flat"] >= 1 - 1e-9
+    # a measured profile prices tree rounds by its tree curves, so a chain-shaped tree may trail the chain loop
+    assert 0 < res["static_tree_vs_chain"] and 0 < res["static_tree_vs_chain_flat"]
     assert "| n | E |" in (out / "ceiling.md").read_text()
 
 

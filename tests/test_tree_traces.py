@@ -171,8 +171,12 @@ def test_replay_on_hand_made_candidates():
     res = summarize({"wide": [rw, rw], "chain_1": [r1, r1]}, resamples=200)
     assert res["builders"]["wide"]["tau"] == pytest.approx(2.0) and res["builders"]["chain_1"]["tau"] == pytest.approx(4 / 3)
     assert res["best_tree"] == "wide" and res["best_chain"] == "chain_1"
-    want = (4 / (2 * prof.round_steps(2, 6))) / (4 / (3 * prof.round_steps(1, 1)))
+    want = (4 / (2 * prof.round_steps(2, 6, [2]))) / (4 / (3 * prof.round_steps(1, 1)))
     assert res["best_tree_vs_chain"]["value"] == pytest.approx(want)
+    # with the profile's tree curves, the tree's rounds are priced by them and the chains' are not
+    prof.draft_level_ms, prof.target_tree_ms = [0.3] * 4, [1.0 + 0.8 * i for i in range(8)]
+    assert replay_prompt(wide, cand, prof)["cost"] == pytest.approx(2 * (0.1 + 0.3 + 1.0 + 0.8 * 6))
+    assert replay_prompt(ch["chain_3"], cand, prof)["cost"] == pytest.approx(2 * prof.round_steps(3, 3))
 
 
 @pytest.mark.parametrize("name", ["eagle2", "learned_tree", "c2t", "learned_tree_plus"])

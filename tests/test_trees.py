@@ -80,6 +80,27 @@ def test_builders_degenerate_to_a_chain_where_branching_does_not_pay():
     assert max(bushy.shape.ranks) > 1 and len(bushy.shape.parents) == 12
 
 
+def test_wide_level_calls_cost_what_the_profile_says():
+    """A level's draft call is priced by its size: where a call on many nodes costs more than on one, the
+    expected-value rule expands fewer of the offered nodes, and Sequoia's best shape has fewer nodes with children;
+    run_levels counts a static shape's draft calls after the root's."""
+    from decode.tree_builders import Eagle2, Sequoia
+    from models.tree_dp import run_levels
+
+    assert run_levels([-1, -1, 0, 0, 2, 1]) == [2, 1]  # depth 1: nodes 0 and 1 have children; depth 2: node 2
+    assert run_levels([-1]) == [] and run_levels([]) == []
+    flat, dear = _profile(slope=0.05, c=0.05), _profile(slope=0.05, c=0.05)
+    flat.draft_level_ms = [0.05] * 8
+    dear.draft_level_ms = [0.05 + 0.05 * i for i in range(8)]  # each node of a level adds a draft step
+    offers = [(0.3, 1), (0.2, 1), (0.1, 1), (0.08, 1), (0.06, 1), (0.04, 1)]  # best first
+    assert Eagle2(profile=flat).best_prefix(1.5, [1], 2, offers) == 4
+    assert Eagle2(profile=dear).best_prefix(1.5, [1], 2, offers) == 2
+    ranks = [0.6, 0.2, 0.1]
+    wide = Sequoia(rank_probs=ranks, max_nodes=12, max_depth=4, profile=flat).shape
+    narrow = Sequoia(rank_probs=ranks, max_nodes=12, max_depth=4, profile=dear).shape
+    assert run_levels(wide.parents) == [2, 1] and run_levels(narrow.parents) == [1, 1]
+
+
 @pytest.mark.parametrize("forward", ["hf", "lean"])
 @pytest.mark.parametrize("policy", ["tree_static", "sequoia", "eagle2"])
 def test_tree_decoding_is_target_greedy(tiny_cfg, forward, policy):
