@@ -19,7 +19,8 @@ paid for and never accepted (a lower bound on its τ). Time is the cost model (`
 round costs its root draft call (the profile's cold cost when it has one), one draft call per level it ran on (priced
 by the nodes it ran on) and a tree-attention pass over nodes + 1; the chains `chain_*` are priced as decode's chain
 loop runs them (one-token draft calls, a causal pass); against one target step per token (prefills excluded on both
-sides). A trace's profile measured before the tree curves prices tree rounds as chains. Intervals: 95% bootstrap over prompts (utils.stats), paired across builders.
+sides). A trace's profile measured before the tree curves prices tree rounds as chains. Intervals: 95% bootstrap
+over prompts (utils.stats), paired across builders.
 Writes tree_replay.json, tree_replay.md and speedup.png (each builder's cost-model speedup with its interval).
 """
 
