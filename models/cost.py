@@ -238,6 +238,20 @@ def warn_if_loaded(prof: "CostProfile") -> None:
               flush=True)
 
 
+def _tree_probe(lm, cache, ids: list[int], c: int, n: int, pending: int):
+    """A timed tree call after `c` cached tokens: `pending` committed tokens run causally, then n − pending nodes
+    (children of the last committed token: the mask's shape, not its branching, is what costs), logits at all n."""
+    from models.lm import tree_attention
+
+    nodes = n - pending
+    pos, mask = tree_attention([-1] * nodes, list(range(nodes)), c + pending, c, None, lm.device)
+
+    def call():
+        lm(ids[c: c + n], cache, last=n, positions=pos, mask=mask)
+        cache.crop(-n)
+    return call
+
+
 @torch.inference_mode()
 def measure(pair, settings: DictConfig, progress: bool = True) -> CostProfile:
     """Time the loop's own model calls (models.lm.LM) on this machine; see the module docstring."""
@@ -272,26 +286,13 @@ def measure(pair, settings: DictConfig, progress: bool = True) -> CostProfile:
         step(draft, dcache, 1, 1)()
         return clock() - t
 
-    def tree_step(lm: LM, cache, n: int, pending: int):
-        """A tree call: `pending` committed tokens run causally, then n − pending nodes (children of the last
-        committed token: the mask's shape, not its branching, is what costs), logits at all n."""
-        from models.lm import tree_attention
-
-        nodes = n - pending
-        pos, mask = tree_attention([-1] * nodes, list(range(nodes)), c + pending, c, None, lm.device)
-
-        def call():
-            lm(ids[c: c + n], cache, last=n, positions=pos, mask=mask)
-            cache.crop(-n)
-        return call
-
     # the draft's level calls right after its one-token calls (warm, as in a round: the cold first call of a round
     # is `draft_cold`), the target's tree passes after its causal ones
     probes = {("draft", 1): step(draft, dcache, 1, 1), ("draft", 2): step(draft, dcache, 2, 1)}
     levels = int(settings.get("max_level", 0) or 0)
-    probes.update({("draft_level", n): tree_step(draft, dcache, n, 0) for n in range(1, levels + 1)})
+    probes.update({("draft_level", n): _tree_probe(draft, dcache, ids, c, n, 0) for n in range(1, levels + 1)})
     probes.update({("target", n): step(target, tcache, n, n) for n in range(1, max_n + 1)})
-    probes.update({("target_tree", n): tree_step(target, tcache, n, 1)
+    probes.update({("target_tree", n): _tree_probe(target, tcache, ids, c, n, 1)
                    for n in range(1, max_n + 1) if settings.get("tree", True)})
     for length in lengths:
         probes[("prefill_target", length)] = lambda L=length: target(ids[:L], target.new_cache(), last=1)
