@@ -84,7 +84,7 @@ def costs(prof, max_nodes: int) -> dict:
     """The profile as the report shows it: t_target(n) for n = 1..max_nodes+1 (ms), a cold first draft call and a
     warm one. The speedups themselves are costed by `CostProfile.round_steps`."""
     target = [float(prof.target(n)) for n in range(1, max_nodes + 2)]  # past the measured range: never below the last
-    cold = float(prof.draft_cold_ms or prof.draft_ms[0])
+    cold = float(prof.cold_ms)
     tree = [prof.tree_target(n) / target[0] for n in range(1, max_nodes + 2)]
     level = [prof.level_draft(n) / float(prof.draft_ms[0]) for n in range(1, max_nodes + 1)]
     return {"target_ms": target, "draft_ms": float(prof.draft_ms[0]), "draft_cold_ms": cold,

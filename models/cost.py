@@ -97,6 +97,11 @@ class CostProfile:
         return _interp(length, self.prefill_lengths, self.prefill_draft_ms)
 
     @property
+    def cold_ms(self) -> float:
+        """The first draft call of a round (`draft_cold_ms`; older profiles: a warm one-token step)."""
+        return self.draft_cold_ms if self.draft_cold_ms is not None else self.draft_ms[0]
+
+    @property
     def cost_ratio(self) -> float:
         """t_draft(1) ÷ t_target(1): the classic constant c."""
         return float(self.draft_ms[0] / self.target_ms[0])
@@ -122,7 +127,7 @@ class CostProfile:
         The one cost of a round that decode's expected-value rule and tree builders and the replays share."""
         if not draft_calls:
             return float(self.target(verified + 1) / self.target_ms[0])
-        cold = self.draft_cold_ms if self.draft_cold_ms is not None else self.draft_ms[0]
+        cold = self.cold_ms
         if levels is None:
             return float((cold + (draft_calls - 1) * self.draft_ms[0] + self.target(verified + 1)) / self.target_ms[0])
         if len(levels) != draft_calls - 1:
@@ -369,8 +374,7 @@ def _tree_ms(row: dict, prof: CostProfile, prompt: int) -> float:
     inside the target's prefill)."""
     ks = [k for k, _ in row["rounds"]]
     target = prof.prefill_target(prompt + ks[0]) + sum(prof.tree_target(k + 1) for k in ks[1:])
-    cold = prof.draft_cold_ms if prof.draft_cold_ms is not None else prof.draft(1)
-    draft = prof.prefill_draft(prompt) + (len(ks) - 1) * cold
+    draft = prof.prefill_draft(prompt) + (len(ks) - 1) * prof.cold_ms
     draft += sum(prof.level_draft(w) for levels in row["tree_levels"] for w in levels)
     return float(target + draft)
 
@@ -400,5 +404,5 @@ def modeled_ms(row: dict, prof: CostProfile) -> float:
     # the first draft call of each later round runs cold (after a target pass); the rest warm
     cold = sum(1 for k, _ in rounds[1:] if k > 0) if rounds else max(tcalls - 1, 0)
     cold = min(cold, max(dcalls - 1, 0))
-    t_cold = prof.draft_cold_ms if prof.draft_cold_ms is not None else prof.draft(1)
+    t_cold = prof.cold_ms
     return float(target + prof.prefill_draft(prompt) + cold * t_cold + (max(dcalls - 1, 0) - cold) * prof.draft(1))
