@@ -10,7 +10,7 @@ Traces keep raw statistics (q(x), p(x), TVD, tokens), so a τ sweep or a new sch
 | accept_prob | soft min(1, p(x)/q(x)) | SpecDec++ |
 | sum_min | soft Σ_v min(p_v, q_v) (= 1 − TVD: the exact sampler's acceptance rate at that position) | DISCO, Leviathan α |
 | on_path | 1[a candidate-tree node's root path is the target's greedy continuation] (tree traces, node heads) | C2T |
-| on_path_given_parent | on_path, on the rows whose parent is on the path (the root's children always): P(accept \| parent accepted), an edge probability composed by product along the path (tree traces, node heads) | EAGLE-2's joint, learned |
+| on_path_given_parent | on_path, on the rows whose parent is on the path (the root's children always): P(accept ∣ parent accepted), an edge probability composed by product along the path (tree traces, node heads) | EAGLE-2's joint, learned |
 
 Row masks (`make_mask`): a conditional scheme labels only some rows (on_path_given_parent: the nodes whose parent is
 on the path, looked up in the same (prompt_id, position) tree, models.features.parent_rows); train and eval drop the

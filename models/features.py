@@ -391,7 +391,7 @@ class PlusFeatures:
     def row(self, step: DraftStep) -> torch.Tensor:
         spec, buf, k, view = self.spec, self.buf, self.spec.k, self._np
         if view is not None:
-            view[:k] = step.topk(k).numpy()
+            view[:k] = step.topk(k).cpu().numpy()  # a head on the CPU behind a CUDA draft: k floats come over
             view[k] = float(step.entropy)
             view[k + 1] = step.position_in_round
         else:

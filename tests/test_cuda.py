@@ -1,4 +1,5 @@
-"""The GPU paths on the tiny random pair: trace generation, `trainer=gpu` training and lossless decoding on CUDA.
+"""The GPU paths on the tiny random pair: trace generation, `trainer=gpu` training and lossless decoding on CUDA
+(models.lean's forward and transformers').
 
 Marked `cuda` and skipped where torch sees no CUDA device, so the CPU suite (and CI) pass without one; on a GPU
 machine run `python -m pytest -m cuda -q`. Each compares the CUDA result with what the CPU tests already pin.
@@ -48,8 +49,44 @@ def test_trainer_gpu_trains_a_head_that_loads_on_cpu(tmp_path):
     assert bundle.prob(torch.randn(4, bundle.spec.dim)).device.type == "cpu"
 
 
-def test_greedy_decoding_on_cuda_is_lossless(cuda_pair):
+@pytest.mark.parametrize("forward", ["lean", "hf"])
+def test_greedy_decoding_on_cuda_is_lossless(tiny_cfg, forward):
+    from omegaconf import OmegaConf
+
+    from models.pair import load_pair
     from tests.test_decode import greedy_runs
 
-    for text, pol, res, ref in greedy_runs(cuda_pair, 32):
-        assert res.tokens == ref.tokens, f"{pol.name} diverged from target-only decoding on CUDA for {text!r}"
+    pair = load_pair(OmegaConf.merge(tiny_cfg, {"device": "cuda", "forward": forward}))
+    assert set(pair.forwards.values()) == {forward}
+    for text, pol, res, ref in greedy_runs(pair, 32):
+        assert res.tokens == ref.tokens, f"{pol.name} diverged from target-only decoding on CUDA ({forward}) for {text!r}"
+
+
+@pytest.mark.parametrize("forward", ["lean", "hf"])
+def test_tree_decoding_on_cuda_is_lossless(tiny_cfg, forward):
+    """Sequoia, EAGLE-2 and a learned node head with context groups (the head moved to the GPU as decode moves it)
+    decode exactly target-only greedy on CUDA, with trees that branch."""
+    from omegaconf import OmegaConf
+
+    from decode.loop import autoregressive, speculative
+    from decode.tree_builders import Eagle2, LearnedTree, Sequoia
+    from models.pair import load_pair
+    from tests.test_decode import make_head
+    from tests.test_trees import _profile
+
+    pair = load_pair(OmegaConf.merge(tiny_cfg, {"device": "cuda", "forward": forward, "draft": {"layers": [0, 1, 2]}}))
+    bundle = make_head(pair, "tree_node_plus", seed=2)
+    bundle.calibration = {"temperature": 0.3, "bias": 2.0, "mode": "platt"}  # a confident random head: trees grow
+    bundle.head.to(pair.device)
+    prof = _profile(c=0.01)
+    builders = [Sequoia(rank_probs=[0.5, 0.3, 0.2], max_nodes=10, max_depth=4, profile=prof),
+                Eagle2(topk=3, max_depth=3, max_nodes=12, profile=prof),
+                LearnedTree(bundle=bundle, topk=3, max_depth=4, max_nodes=12, profile=prof)]
+    for builder in builders:
+        widest = 0
+        for text in ("def f(x):", "import os\nclass A:", "hello world"):
+            ids = pair.tokenizer.encode(text)
+            res = speculative(pair, ids, builder, 24)
+            assert res.tokens == autoregressive(pair, ids, 24).tokens, f"{builder.name} ({forward}) on {text!r}"
+            widest = max(widest, max(k for k, _ in res.rounds))
+        assert widest > 3, builder.name
