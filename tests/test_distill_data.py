@@ -52,6 +52,23 @@ def test_built_prompts_hold_no_test_prompt():
     assert not any(i.startswith("mbpp-") and 11 <= int(i.split("-")[1]) <= 510 for i in ids)  # no MBPP test id
 
 
+def test_stdlib_source_prompts_come_from_the_committed_file_not_the_interpreter(tmp_path, monkeypatch):
+    """The prompt plan is the same on every Python: the functions are read from data/distill/stdlib_source.jsonl
+    (CPython 3.11's), and scan_stdlib, which rewrites it, keeps short public top-level functions only."""
+    rows = dp.stdlib_source_prompts(10_000)
+    assert len(rows) > 500 and all(r.prompt_id.startswith("stdsrc-") and r.source == "stdlib_source" for r in rows)
+    assert [r.prompt_id for r in dp.stdlib_source_prompts(3)] == [r.prompt_id for r in rows[:3]]
+    lib = tmp_path / "Lib"
+    lib.mkdir()
+    body = "\n".join(f"    x{i} = {i}" for i in range(4))
+    (lib / "mod.py").write_text(f"def keep(a):\n{body}\n\ndef _private(a):\n{body}\n\ndef short():\n    pass\n")
+    found = dp.scan_stdlib(lib)
+    assert [f.prompt_id for f in found] == ["stdsrc-mod.keep"] and "def keep(a):" in found[0].text
+    monkeypatch.setattr(dp, "STDLIB_SOURCE", tmp_path / "missing.jsonl")
+    with pytest.raises(UserError, match="missing.jsonl is missing"):
+        dp.stdlib_source_prompts(10)
+
+
 def test_recorded_topk_is_the_targets(tiny_pair):
     enc = [tiny_pair.tokenizer.encode("def f(x):"), tiny_pair.tokenizer.encode("assert g(1)")]
     for temp in (0.0, 1.0):

@@ -93,10 +93,23 @@ STDLIB_TEMPLATES = (
 )
 
 
-def stdlib_source_prompts(limit: int, max_lines: int = 24) -> list[DistillPrompt]:
-    """Short functions from CPython's own standard-library sources (PSF licence), found with `ast`: the running
-    interpreter's `Lib/`, so no file is shipped for them. Deterministic order; one template per function."""
-    lib = Path(sys.modules["json"].__file__).resolve().parent.parent
+STDLIB_SOURCE = DATA / "distill" / "stdlib_source.jsonl"
+
+
+def stdlib_source_prompts(limit: int) -> list[DistillPrompt]:
+    """Short public functions of CPython 3.11's `Lib/*.py` (PSF licence), each with one of three templates, from the
+    committed STDLIB_SOURCE: read from the running interpreter they changed with its version, and with them the
+    responses' prompt plan (a 3.12 machine was refused the 3.11 data). `python -m train.distill_prompts` rewrites
+    the file from the running interpreter."""
+    if not STDLIB_SOURCE.is_file():
+        raise UserError(f"{STDLIB_SOURCE} is missing; restore it from git (or python -m train.distill_prompts)")
+    rows = [json.loads(line) for line in STDLIB_SOURCE.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [DistillPrompt(r["prompt_id"], "stdlib_source", r["text"]) for r in rows[:limit]]
+
+
+def scan_stdlib(lib: Path, max_lines: int = 24) -> list[DistillPrompt]:
+    """Every public top-level function of 4..max_lines lines in `lib/*.py`, found with `ast`, in a fixed shuffled
+    order (one template per function, by name)."""
     out = []
     for path in sorted(lib.glob("*.py")):
         try:
@@ -114,7 +127,7 @@ def stdlib_source_prompts(limit: int, max_lines: int = 24) -> list[DistillPrompt
                     t = int(hashlib.sha256(key.encode()).hexdigest(), 16) % len(STDLIB_TEMPLATES)
                     out.append(DistillPrompt(f"stdsrc-{key}", "stdlib_source", STDLIB_TEMPLATES[t].format(src=body)))
     random.Random(0).shuffle(out)
-    return out[:limit]
+    return out
 
 
 def specbench_prompts() -> list[DistillPrompt]:
@@ -260,3 +273,10 @@ def built_prompts(cfg) -> list[DistillPrompt]:
     for name in cfg.sources:
         out += [p for p in makers[name]() if not guard.leaks(p.text)]
     return out
+
+
+if __name__ == "__main__":  # rewrite STDLIB_SOURCE from the running interpreter's Lib/ (changes the prompt plan)
+    found = scan_stdlib(Path(sys.modules["json"].__file__).resolve().parent.parent)
+    STDLIB_SOURCE.write_text("".join(json.dumps({"prompt_id": p.prompt_id, "text": p.text}, ensure_ascii=False) + "\n"
+                                     for p in found), encoding="utf-8")
+    print(f"wrote {len(found)} functions of Python {sys.version.split()[0]}'s Lib/ to {STDLIB_SOURCE}")
