@@ -13,6 +13,7 @@ contains (an upper bound on greedy acceptance of a subset draft relative to the 
 from __future__ import annotations
 
 import json
+import platform
 from collections import Counter
 from datetime import datetime, timezone
 from pathlib import Path
@@ -81,7 +82,8 @@ def count_tokens(pair, cfg: DictConfig) -> tuple[Counter, list[dict]]:
             ids = pair.tokenizer(path.read_text(encoding="utf-8", errors="ignore"), add_special_tokens=False)["input_ids"]
             counts.update(ids)
             n += len(ids)
-        sources.append({"kind": "python_stdlib", "files": len(files), "tokens": n})
+        # the running interpreter's modules: another Python version counts other files (the record says which)
+        sources.append({"kind": "python_stdlib", "python": platform.python_version(), "files": len(files), "tokens": n})
     return counts, sources
 
 
