@@ -277,6 +277,8 @@ def built_prompts(cfg) -> list[DistillPrompt]:
 
 if __name__ == "__main__":  # rewrite STDLIB_SOURCE from the running interpreter's Lib/ (changes the prompt plan)
     found = scan_stdlib(Path(sys.modules["json"].__file__).resolve().parent.parent)
-    STDLIB_SOURCE.write_text("".join(json.dumps({"prompt_id": p.prompt_id, "text": p.text}, ensure_ascii=False) + "\n"
-                                     for p in found), encoding="utf-8")
+    from utils.files import write_text_atomic
+
+    write_text_atomic(STDLIB_SOURCE, "".join(json.dumps({"prompt_id": p.prompt_id, "text": p.text}, ensure_ascii=False)
+                                             + "\n" for p in found))
     print(f"wrote {len(found)} functions of Python {sys.version.split()[0]}'s Lib/ to {STDLIB_SOURCE}")
