@@ -156,6 +156,10 @@ def stale_reasons(rec: dict, overrides: set[str] = frozenset()) -> list[str]:
         want = (conf.get("draft") or {}).get(key)
         if draft.get(key) != want and f"pair.draft.{key}" not in overrides:
             out.append(f"draft.{key}={'null' if draft.get(key) is None else draft.get(key)} (today {want})")
+    freq, want_freq = draft.get("vocab_freq"), (conf.get("draft") or {}).get("vocab_freq")
+    if rec.get("draft_files") is None and freq and want_freq and freq != want_freq and draft.get("vocab_subset") \
+            and "pair.draft.vocab_freq" not in overrides:  # a record from before draft fingerprints: its head's list
+        out.append(f"draft.vocab_freq={freq} (today {want_freq})")
     if rec.get("draft_files") is not None and "pair.draft.weights" not in overrides:  # which draft, by content
         from models.pair import draft_files
 

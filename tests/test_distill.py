@@ -116,6 +116,28 @@ def test_distill_rejects_test_split_and_bad_layers(cli, tmp_path):
 
 
 @pytest.mark.real
+def test_export_student_stores_bf16_with_the_source_recorded(tiny_pair, tmp_path, cli):
+    import hashlib
+
+    from train.export_student import export_student
+
+    student = make_student(tiny_pair.target, [0], own_norm=True)
+    src = save_student(student, tmp_path / "f32.safetensors", {"layers": [0], "own_modules": ["norm"], "step": 7},
+                       torch.float32)
+    info = export_student(src, tmp_path / "bf16.safetensors", "bfloat16")
+    with safe_open(str(tmp_path / "bf16.safetensors"), "pt") as fh:
+        assert {fh.get_tensor(k).dtype for k in fh.keys()} == {torch.bfloat16}
+        assert json.loads(fh.metadata()[STUDENT_META]) == info
+    assert info["step"] == 7 and info["stored_from"]["sha256"] == hashlib.sha256(src.read_bytes()).hexdigest()
+    loaded = load_student(tiny_pair.target, tmp_path / "bf16.safetensors")  # loads in the pair's dtype (float32)
+    ids = torch.tensor([tiny_pair.tokenizer.encode("assert f(2) == 4")])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, student.eval()(ids).logits, atol=0.05, rtol=0.05)
+    res = cli("train.export_student", f"src={tmp_path / 'nope.safetensors'}", f"out={tmp_path / 'x.safetensors'}")
+    assert res.returncode == 2 and "src=" in res.stderr and "Traceback" not in res.stderr
+    assert not (tmp_path / "x.safetensors").exists()
+
+
 def test_shipped_student_is_the_default_draft():
     from models.pair import REPO_ROOT
 

@@ -183,6 +183,10 @@ def test_study_report_and_stale_line(tmp_path):
     assert any(r.startswith("draft.vocab_subset=null") for r in reasons) and len(reasons) == 4
     assert len(stale_reasons(old, {"pair.draft.quantize", "pair.linear"})) == 2
     assert stale_reasons({**run, "pair": "gone"}) == ["pair gone, which conf/pair/ no longer defines"]
+    # a record from before draft fingerprints names its FR-Spec list: another list means another draft (issue 29)
+    first = {**run, "draft": {**run["draft"], "vocab_freq": "models/weights/smollm2_135m_vocab_freq.json"}}
+    assert stale_reasons(first) == ["draft.vocab_freq=models/weights/smollm2_135m_vocab_freq.json "
+                                    "(today models/weights/smollm2_135m_vocab_freq_responses.json)"]
     # a record of the draft's content: stale once another student ships at the same path (issue 29)
     from omegaconf import OmegaConf
 

@@ -1,0 +1,55 @@
+"""Store a train.distill student file in another dtype, metadata kept and the cast recorded.
+
+    python -m train.export_student src=logs/distill/<run>/student.safetensors out=models/weights/NAME.safetensors \
+        [dtype=bfloat16]
+
+A run trained in float32 (a CPU without bf16, or `pair.dtype=float32` on a GPU) writes float32 tensors; the shipped
+draft is stored in bf16, half the bytes, as every pair loads the student in its own dtype anyway
+(`models.pair.load_student` casts). The file's metadata gains `stored_dtype` and `stored_from` (the source's sha256),
+so the shipped file names the exact training output it came from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+
+from models.pair import STUDENT_META
+from utils.cli import UserError, hydra_entry
+from utils.files import atomic_write
+
+
+def export_student(src: Path, out: Path, dtype: str = "bfloat16") -> dict:
+    """Write `src`'s tensors to `out` in `dtype`; returns the new metadata."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    torch_dtype = getattr(torch, dtype, None)
+    if not isinstance(torch_dtype, torch.dtype) or not torch_dtype.is_floating_point:
+        raise UserError(f"dtype={dtype} is not a torch floating dtype; use bfloat16, float16 or float32")
+    if not src.is_file() or out.suffix != ".safetensors":
+        raise UserError(f"src={src} must be a student file and out={out} must end in .safetensors")
+    with safe_open(str(src), "pt") as fh:
+        meta = fh.metadata() or {}
+        if STUDENT_META not in meta:
+            raise UserError(f"{src} is not a train.distill student file (no '{STUDENT_META}' metadata)")
+        tensors = {k: fh.get_tensor(k).to(torch_dtype).contiguous() for k in fh.keys()}
+    info = json.loads(meta[STUDENT_META])
+    info.update(stored_dtype=dtype, stored_from={"file": src.name, "sha256": hashlib.sha256(src.read_bytes()).hexdigest()})
+    atomic_write(out, lambda tmp: save_file(tensors, str(tmp), metadata={STUDENT_META: json.dumps(info, default=str)}))
+    return info
+
+
+@hydra_entry("export_student")
+def main(cfg: DictConfig) -> None:
+    out = Path(str(cfg.out))
+    info = export_student(Path(str(cfg.src)), out, str(cfg.dtype))
+    print(f"{cfg.src} -> {out} ({info['stored_dtype']}, {out.stat().st_size / 2**20:.1f} MiB, step {info.get('step')})")
+
+
+if __name__ == "__main__":
+    main()
