@@ -296,10 +296,23 @@ def headline(results: Path, study: Study | None = None) -> str:
                  f"Does **not** meet the bar (short: {', '.join(BAR_NAMES[k] for k, v in ok.items() if not v)}).")]
     stale = [s for s in (stale_line(results, sec) for sec in study.sections
                          if sec.folder in (h["wall"], h["replay"])) if s]
-    lines += [""] + stale[:1] + ([""] if stale else [])
+    stale = stale[:1] + bar_behind(results, h, bar)
+    lines += [""] + stale + ([""] if stale else [])
     lines += ["Every table with its command, machine and date: [results/README.md](results/README.md); what they "
               "show: [docs/findings.md](docs/findings.md).", ""]
     return "\n".join(lines)
+
+
+def bar_behind(results: Path, h: dict, bar: dict) -> list[str]:
+    """A stale line when bar.json (whose numbers the cost-model column shows) was computed from an earlier replay
+    than the one in the replay folder now: a rerun replay does not rewrite the bar."""
+    replay = results / h["replay"] / "replay.json"
+    now = (_load(replay).get("settings") or {}).get("date") if replay.is_file() else None
+    used = (bar.get("replay_settings") or {}).get("date")
+    if now and used and now != used:
+        return [f"**Stale:** the cost-model column and the bar come from `results/{h['bar']}`, computed from the "
+                f"replay of {used}; `results/{h['replay']}` is from {now}. Rerun `python -m eval.bar` to refresh it."]
+    return []
 
 
 # ------------------------------------------------------------------------------------------------ results/README.md

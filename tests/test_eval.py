@@ -243,3 +243,15 @@ def test_study_manifest_names_existing_experiments():
     assert named and all((CONF_DIR / "experiment" / f"{n}.yaml").is_file() for n, _ in named), named
     assert all(n.startswith("study/") == (stage in ("decode", "eval.replay")) for n, stage in named), named
     assert set(study.bar) == {"replay_ratio", "gap_closed", "wall_ratio", "auroc_gain"}
+
+
+def test_headline_marks_a_bar_computed_from_an_earlier_replay(tmp_path):
+    """The headline's cost column comes from bar.json; a rerun replay leaves it behind, which the block must say."""
+    from eval.study import bar_behind
+
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "replay.json").write_text(json.dumps({"settings": {"date": "2026-11-26 19:08 UTC"}}))
+    h = {"replay": "r", "bar": "bar.json"}
+    assert bar_behind(tmp_path, h, {"replay_settings": {"date": "2026-11-26 19:08 UTC"}}) == []
+    line = bar_behind(tmp_path, h, {"replay_settings": {"date": "2026-11-25 00:56 UTC"}})
+    assert len(line) == 1 and "2026-11-25 00:56 UTC" in line[0] and "python -m eval.bar" in line[0]
