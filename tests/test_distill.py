@@ -115,7 +115,6 @@ def test_distill_rejects_test_split_and_bad_layers(cli, tmp_path):
     assert res.returncode == 2 and "student.layers" in res.stderr
 
 
-@pytest.mark.real
 def test_export_student_stores_bf16_with_the_source_recorded(tiny_pair, tmp_path, cli):
     import hashlib
 
@@ -138,6 +137,7 @@ def test_export_student_stores_bf16_with_the_source_recorded(tiny_pair, tmp_path
     assert not (tmp_path / "x.safetensors").exists()
 
 
+@pytest.mark.real
 def test_shipped_student_is_the_default_draft():
     from models.pair import REPO_ROOT
 
