@@ -325,25 +325,39 @@ def layer_subset(target, layers: list[int], share: bool = True):
 STUDENT_META = "specstop_student"
 
 
+def read_student_file(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(metadata, tensors) of a student file; refuses a safetensors file without the student metadata."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as fh:
+        meta = fh.metadata() or {}
+        if STUDENT_META not in meta:
+            raise UserError(f"{path} is not a train.distill student file (no '{STUDENT_META}' metadata)")
+        return json.loads(meta[STUDENT_META]), {k: fh.get_tensor(k) for k in fh.keys()}
+
+
+def write_student_file(path: Path, tensors: dict[str, torch.Tensor], info: dict) -> Path:
+    """Write a student file atomically: the tensors and the JSON metadata `read_student_file` reads."""
+    from safetensors.torch import save_file
+
+    from utils.files import atomic_write
+
+    return atomic_write(Path(path), lambda tmp: save_file(tensors, str(tmp),
+                                                          metadata={STUDENT_META: json.dumps(info, default=str)}))
+
+
 def load_student(target, path: str | Path):
     """A distilled student: the target's layers named in the file's metadata, overwritten by the file's tensors.
 
     The file holds only what differs from the target (the student's layers and final norm); embeddings and LM head
     stay shared with the target, which is why it stays small.
     """
-    from safetensors import safe_open
-
     path = Path(path)
     if not path.is_absolute():
         path = REPO_ROOT / path
     if not path.is_file():
         raise UserError(f"student weights {path} not found; run `python -m train.distill` or check draft.weights")
-    with safe_open(str(path), "pt") as fh:
-        meta = fh.metadata() or {}
-        if STUDENT_META not in meta:
-            raise UserError(f"{path} is not a train.distill student file (no '{STUDENT_META}' metadata)")
-        info = json.loads(meta[STUDENT_META])
-        tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+    info, tensors = read_student_file(path)
     draft = layer_subset(target, info["layers"], share=False)
     if "norm" in info.get("own_modules", []):
         decoder_parts(draft).norm = copy.deepcopy(decoder_parts(target).norm)

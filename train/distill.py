@@ -39,8 +39,8 @@ from tqdm.auto import tqdm
 
 from eval.theory import best_gamma
 from models.lm import cache_kw
-from models.pair import (STUDENT_META, Pair, cache_root, decoder_parts, eos_ids, layer_subset, load_pair,
-                         load_student)
+from models.pair import (Pair, cache_root, decoder_parts, eos_ids, layer_subset, load_pair,
+                         load_student, write_student_file)
 from utils.cli import UserError, check_name, hydra_entry
 from utils.files import atomic_write
 
@@ -79,11 +79,7 @@ def student_state(student, own_norm: bool, dtype: torch.dtype) -> dict[str, torc
 
 def save_student(student, path: Path, info: dict, dtype: torch.dtype) -> Path:
     """Write the student file atomically (safetensors + JSON metadata that `load_student` reads)."""
-    from safetensors.torch import save_file
-
-    state = student_state(student, "norm" in info.get("own_modules", []), dtype)
-    return atomic_write(Path(path), lambda tmp: save_file(state, str(tmp),
-                                                          metadata={STUDENT_META: json.dumps(info, default=str)}))
+    return write_student_file(Path(path), student_state(student, "norm" in info.get("own_modules", []), dtype), info)
 
 
 # --------------------------------------------------------------------------------------------------------- the data

@@ -11,36 +11,26 @@ so the shipped file names the exact training output it came from.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
 
-from models.pair import STUDENT_META
+from models.pair import read_student_file, write_student_file
 from utils.cli import UserError, hydra_entry
-from utils.files import atomic_write
+from utils.files import sha256_file
 
 
 def export_student(src: Path, out: Path, dtype: str = "bfloat16") -> dict:
     """Write `src`'s tensors to `out` in `dtype`; returns the new metadata."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
     torch_dtype = getattr(torch, dtype, None)
     if not isinstance(torch_dtype, torch.dtype) or not torch_dtype.is_floating_point:
         raise UserError(f"dtype={dtype} is not a torch floating dtype; use bfloat16, float16 or float32")
     if not src.is_file() or out.suffix != ".safetensors":
         raise UserError(f"src={src} must be a student file and out={out} must end in .safetensors")
-    with safe_open(str(src), "pt") as fh:
-        meta = fh.metadata() or {}
-        if STUDENT_META not in meta:
-            raise UserError(f"{src} is not a train.distill student file (no '{STUDENT_META}' metadata)")
-        tensors = {k: fh.get_tensor(k).to(torch_dtype).contiguous() for k in fh.keys()}
-    info = json.loads(meta[STUDENT_META])
-    info.update(stored_dtype=dtype, stored_from={"file": src.name, "sha256": hashlib.sha256(src.read_bytes()).hexdigest()})
-    atomic_write(out, lambda tmp: save_file(tensors, str(tmp), metadata={STUDENT_META: json.dumps(info, default=str)}))
+    info, tensors = read_student_file(src)
+    info.update(stored_dtype=dtype, stored_from={"file": src.name, "sha256": sha256_file(src)})
+    write_student_file(out, {k: v.to(torch_dtype).contiguous() for k, v in tensors.items()}, info)
     return info
 
 
