@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from utils.files import write_text_atomic
+from utils.files import jsonl_text, write_text_atomic
 
 
 def _fmt(v, digits=3):
@@ -141,7 +141,7 @@ def write_outputs(out_dir: Path, summary: dict, rows: list[dict], run_info: dict
     if by_task:
         write_text_atomic(out_dir / f"{prefix}by_task.json", json.dumps(by_task, indent=2))
         write_text_atomic(out_dir / f"{prefix}by_task.md", task_table(by_task, title))
-    write_text_atomic(out_dir / f"{prefix}prompts.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    write_text_atomic(out_dir / f"{prefix}prompts.jsonl", jsonl_text(rows))
     write_text_atomic(out_dir / f"{prefix}run.json", json.dumps(run_info, indent=2))
     write_text_atomic(out_dir / f"{prefix}summary.md", markdown_table(summary, title))
     if make_plots:

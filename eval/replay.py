@@ -48,6 +48,7 @@ from models.cost import CostProfile
 from decode.policies import Learned, StopPolicy, build_policy, split_spec
 from decode.methods import Method, methods_from_cfg
 from decode.tune import choose, grid_params, tune_grid
+from utils.files import jsonl_text
 from models.features import DraftStep, VerifyStats, continuation_starts
 from utils.cli import UserError, hydra_entry, output_dir
 
@@ -546,11 +547,10 @@ def run(cfg: DictConfig) -> dict:
     per_prompt = {k: r.pop("per_prompt") for k, r in table.items() if "per_prompt" in r}
     (out / "replay.json").write_text(json.dumps(result, indent=1) + "\n")
     # one row per (method, eval continuation): what eval.bar's paired bootstrap resamples
-    with open(out / "prompts.jsonl", "w") as fh:
-        for key, pp in per_prompt.items():
-            for i, pid in enumerate(pp["prompt_id"]):
-                fh.write(json.dumps({"method": key, "prompt_id": pid, "new_tokens": pp["new_tokens"][i],
-                                     "cost_ms": pp["cost_ms"][i], "target_cost_ms": pp["target_cost_ms"][i]}) + "\n")
+    (out / "prompts.jsonl").write_text(jsonl_text(
+        {"method": key, "prompt_id": pid, "new_tokens": pp["new_tokens"][i], "cost_ms": pp["cost_ms"][i],
+         "target_cost_ms": pp["target_cost_ms"][i]}
+        for key, pp in per_prompt.items() for i, pid in enumerate(pp["prompt_id"])))
     (out / "replay.md").write_text(markdown(result))
     # decode's tuned.json format: `python -m decode ... tuned=OUT/tuned.json` decodes with the replay's choices
     tuned_file = {"metric": "cost_model_speedup (eval.replay)", "split": str(rc.tune),

@@ -68,11 +68,10 @@ def test_tree_decoding_on_cuda_is_lossless(tiny_cfg, forward):
     decode exactly target-only greedy on CUDA, with trees that branch."""
     from omegaconf import OmegaConf
 
-    from decode.loop import autoregressive, speculative
     from decode.tree_builders import Eagle2, LearnedTree, Sequoia
     from models.pair import load_pair
     from tests.test_decode import make_head
-    from tests.test_trees import _profile
+    from tests.test_trees import _profile, assert_branching_lossless
 
     pair = load_pair(OmegaConf.merge(tiny_cfg, {"device": "cuda", "forward": forward, "draft": {"layers": [0, 1, 2]}}))
     bundle = make_head(pair, "tree_node_plus", seed=2)
@@ -83,10 +82,4 @@ def test_tree_decoding_on_cuda_is_lossless(tiny_cfg, forward):
                 Eagle2(topk=3, max_depth=3, max_nodes=12, profile=prof),
                 LearnedTree(bundle=bundle, topk=3, max_depth=4, max_nodes=12, profile=prof)]
     for builder in builders:
-        widest = 0
-        for text in ("def f(x):", "import os\nclass A:", "hello world"):
-            ids = pair.tokenizer.encode(text)
-            res = speculative(pair, ids, builder, 24)
-            assert res.tokens == autoregressive(pair, ids, 24).tokens, f"{builder.name} ({forward}) on {text!r}"
-            widest = max(widest, max(k for k, _ in res.rounds))
-        assert widest > 3, builder.name
+        assert_branching_lossless(pair, builder, f"(CUDA, {forward})")

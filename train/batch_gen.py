@@ -57,14 +57,20 @@ class _BufferLayer(DynamicLayer):
         self._views()
 
 
-def _prefill(model, prompt: list[int], device) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """One prompt alone: its last position's logits and every layer's (keys, values)."""
+def prefill(model, prompt: list[int], device):
+    """One prompt alone: its last position's logits and its transformers DynamicCache."""
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
     out = model(input_ids=torch.tensor([prompt], device=device), **cache_kw(model, cache), use_cache=True,
                 logits_to_keep=1)
-    return out.logits[0, -1], [(layer.keys, layer.values) for layer in cache.layers]
+    return out.logits[0, -1], cache
+
+
+def _prefill(model, prompt: list[int], device) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """One prompt alone: its last position's logits and every layer's (keys, values)."""
+    last, cache = prefill(model, prompt, device)
+    return last, [(layer.keys, layer.values) for layer in cache.layers]
 
 
 def _batch_cache(kvs: list[list[tuple[torch.Tensor, torch.Tensor]]], lengths: list[int], repeats: int,

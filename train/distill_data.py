@@ -90,12 +90,9 @@ def teacher_topk(pair: Pair, seqs: list[dict], topk: int, batch_size: int) -> li
 
 def _response_dists(pair: Pair, prompt: list[int], rows: list[dict]) -> list[torch.Tensor]:
     """The target's distribution before each response token of `rows` (all continuing `prompt`): (n_r, vocab)."""
-    from transformers import DynamicCache
-
     dev, n_prompt, model = pair.device, len(prompt), pair.target
-    cache = DynamicCache(config=model.config)
-    pre = model(input_ids=torch.tensor([prompt], device=dev), **cache_kw(model, cache), use_cache=True, logits_to_keep=1)
-    first = pre.logits[0, -1:, : pair.vocab_size].float()
+    last, cache = batch_gen.prefill(model, prompt, dev)
+    first = last[None, : pair.vocab_size].float()
     conts = [list(r["ids"][n_prompt:]) for r in rows]
     width = max(len(c) for c in conts) - 1  # the last token of a response predicts nothing we keep
     if width == 0:

@@ -39,6 +39,23 @@ def write_text_atomic(path: Path, text: str) -> Path:
     return atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
+def jsonl_text(rows, digits: int = 6) -> str:
+    """One JSON object per line, floats rounded to `digits` significant digits: per-prompt rows are the bulk of
+    results/, and digits past the sixth are timer noise."""
+    import json
+
+    def short(v):
+        if isinstance(v, float):
+            return float(f"{v:.{digits}g}")
+        if isinstance(v, dict):
+            return {k: short(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [short(x) for x in v]
+        return v
+
+    return "".join(json.dumps(short(r)) + "\n" for r in rows)
+
+
 def write_result(out_dir: Path, stem: str, result: dict, lines: list[str]) -> None:
     """A benchmark's `<stem>.json` (the numbers) and `<stem>.md` (its table) in `out_dir`, and the table printed."""
     import json
