@@ -22,10 +22,6 @@ from decode.policies import StopPolicy
 from utils.cli import UserError
 
 
-# the default pair's acceptance by rank on MBPP test (results/trees/ceiling.json); conf/policy/*.yaml carry it too
-RANK_PROBS = (0.584, 0.121, 0.040, 0.026, 0.017, 0.010, 0.012, 0.008)
-
-
 def _top(q: torch.Tensor, k: int) -> list[tuple[int, float, int]]:
     v, i = q.topk(k)
     return [(int(t), float(p), r + 1) for r, (p, t) in enumerate(zip(v.tolist(), i.tolist()))]
@@ -172,11 +168,13 @@ class TreeStatic(TreeBuilder):
 
     name = "tree_static"
 
-    def __init__(self, branching=(2, 2, 1, 1, 1), rank_probs=RANK_PROBS, max_depth: int | None = None,
-                 profile=None):
+    def __init__(self, branching=(2, 2, 1, 1, 1), rank_probs=(), max_depth: int | None = None, profile=None):
         branching = [int(b) for b in branching]
         if not branching or min(branching) < 1:
             raise UserError(f"policy.tree_static.branching must list ≥ 1 children per level, got {branching}")
+        if max_depth is None and not rank_probs:  # the default pair's are in conf/policy/tree_static.yaml
+            raise UserError("policy.tree_static needs rank_probs (python -m eval.tree_ceiling measures them) "
+                            "or max_depth")
         super().__init__(len(branching), profile)
         self.rank_probs = [float(p) for p in rank_probs]
         self.branching = branching[: self._best_depth(branching) if max_depth is None else int(max_depth)]
@@ -239,7 +237,7 @@ class Sequoia(GrownTree):
     name = "sequoia"
     SPINE = -2  # the shape-node id of the spine's continuation past the shape
 
-    def __init__(self, rank_probs=RANK_PROBS, max_nodes: int = 32, max_depth: int = 12, spine_depth: int = 16,
+    def __init__(self, rank_probs, max_nodes: int = 32, max_depth: int = 12, spine_depth: int = 16,
                  profile=None):
         from models.tree_dp import TreeTable, run_levels
 

@@ -100,7 +100,8 @@ def static_length_f1(labels, positions_in_round, max_k: int | None = None) -> di
 
 
 def roc_pr_points(scores, labels, max_points: int = 1000) -> dict:
-    """ROC (fpr, tpr) and PR (recall, precision) curves as lists, thinned to ≤ max_points for plots and W&B tables."""
+    """ROC (fpr, tpr) and PR (recall, precision) curves as lists, thinned to ≤ max_points for plots and W&B tables
+    and rounded to 5 significant digits (a plot needs no more; reports under results/ stay small)."""
     s = _as_numpy(scores)
     y = binarize(labels)
     out = {}
@@ -109,7 +110,7 @@ def roc_pr_points(scores, labels, max_points: int = 1000) -> dict:
         precision, recall, _ = precision_recall_curve(y, s)
         for name, (a, b) in {"roc": (fpr, tpr), "pr": (recall, precision)}.items():
             idx = np.unique(np.linspace(0, len(a) - 1, min(max_points, len(a))).round().astype(int))
-            out[name] = (a[idx].tolist(), b[idx].tolist())
+            out[name] = tuple([float(f"{v:.5g}") for v in c[idx]] for c in (a, b))
     return out
 
 
