@@ -99,7 +99,7 @@ def static_length_f1(labels, positions_in_round, max_k: int | None = None) -> di
     return {"f1_static_best": f1_by_k[k_best], "k_best": k_best, "f1_by_k": f1_by_k}
 
 
-def roc_pr_points(scores, labels, max_points: int = 1000) -> dict:
+def roc_pr_points(scores, labels, max_points: int = 300) -> dict:
     """ROC (fpr, tpr) and PR (recall, precision) curves as lists, thinned to ≤ max_points for plots and W&B tables
     and rounded to 5 significant digits (a plot needs no more; reports under results/ stay small)."""
     s = _as_numpy(scores)
