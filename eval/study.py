@@ -9,7 +9,8 @@ a short note. For each section results/README.md gets the commands, the settings
 dtype, prompts), a **stale** line when its pair, draft or code settings differ from today's defaults of its pair
 (`conf/pair/<pair>.yaml`; a setting the section's own command sets, e.g. `pair.dtype=float32`, is not stale), then
 its tables, plots and note. Compared: the pair, the draft's weights by content (`draft_files`, where the record has
-them), `draft.vocab_subset`, `draft.quantize`, `dtype` (only where the pair
+them; a section whose files record none is stale when git last committed them before today's draft weights),
+`draft.vocab_subset`, `draft.quantize`, `dtype` (only where the pair
 pins one: `auto` resolves per machine), `linear` and `forward` (code paths a file records since those options
 exist; a decode run.json records no git commit, so these are the code settings there are to compare).
 
@@ -176,11 +177,63 @@ def stale_reasons(rec: dict, overrides: set[str] = frozenset()) -> list[str]:
     return out
 
 
+def default_pair() -> str:
+    """The pair the stages use when none is named (conf/decode.yaml's defaults list)."""
+    from omegaconf import OmegaConf
+
+    for item in OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "decode.yaml")).get("defaults", []):
+        if isinstance(item, dict) and "pair" in item:
+            return str(item["pair"])
+    raise UserError("conf/decode.yaml names no default pair")
+
+
+def _committed_at(path: Path) -> int | None:
+    """Unix time of the last commit that touched `path`; None when git has no such commit, the file lies outside
+    the repository or has uncommitted changes (then it is newer than anything committed)."""
+    import subprocess
+
+    def git(*args):
+        out = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, check=False)
+        return out.stdout.strip() if out.returncode == 0 else ""
+
+    try:
+        rel = str(Path(path).resolve().relative_to(Path(REPO).resolve()))
+    except ValueError:  # outside the repository (a results folder elsewhere): no history to read
+        return None
+    if git("status", "--porcelain", "--", rel):
+        return None
+    stamp = git("log", "-1", "--format=%ct", "--", rel)
+    return int(stamp) if stamp else None
+
+
+def older_than_draft(results: Path, sec: Section, recs: list[dict]) -> str:
+    """A reason when the section's files record no draft fingerprint and were last committed before today's draft
+    weights of the default pair were: made with an earlier draft. '' when its records name the draft by content
+    (stale_reasons compares those), when its commands choose another pair or draft, or without git history."""
+    pair = default_pair()
+    if any(r.get("draft_files") is not None or str(r.get("pair", pair)) != pair for r in recs):
+        return ""
+    if any(re.search(rf"\bpair=(?!{re.escape(pair)}\b)|\bpair\.draft\.weights=|\bstudent=", c) for c in sec.commands):
+        return ""
+    weights = ((pair_defaults(pair) or {}).get("draft") or {}).get("weights")
+    draft_at = _committed_at(REPO / weights) if weights else None
+    d = results / sec.folder
+    files = [d / f for f in sec.only if f.endswith(".json")] if sec.only else sorted(d.glob("*.json"))
+    made = [t for t in (_committed_at(f) for f in files if f.is_file()) if t is not None]
+    if draft_at is None or not made or min(made) >= draft_at:
+        return ""
+    return f"an earlier draft (its files predate today's {weights} and record no draft fingerprint)"
+
+
 def stale_line(results: Path, sec: Section) -> str:
     """The visible stale line of a section ('' when every record matches today's defaults)."""
     reasons: list[str] = []
-    for rec in records(results, sec):
+    recs = records(results, sec)
+    for rec in recs:
         reasons += [r for r in stale_reasons(rec, command_overrides(sec.commands)) if r not in reasons]
+    earlier = older_than_draft(results, sec, recs)
+    if earlier:
+        reasons.append(earlier)
     return f"**Stale:** made with {', '.join(reasons)}. Rerun its command to refresh it." if reasons else ""
 
 

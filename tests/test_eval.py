@@ -207,6 +207,48 @@ def test_study_report_and_stale_line(tmp_path):
     assert "**Stale:** made with draft.vocab_subset=null (today 8192)" in text
 
 
+def test_study_marks_files_committed_before_the_draft(tmp_path, monkeypatch):
+    """A result that records no draft fingerprint is stale when git last committed it before today's draft
+    weights; one committed after them, one with uncommitted changes and one whose command picks another pair are
+    not."""
+    import subprocess
+
+    import eval.study as study_mod
+    from eval.study import Section
+
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", *args], check=True,
+                       capture_output=True)
+
+    (tmp_path / "conf" / "pair").mkdir(parents=True)
+    (tmp_path / "conf" / "decode.yaml").write_text("defaults:\n  - pair: p\n")
+    (tmp_path / "conf" / "pair" / "p.yaml").write_text("name: p\ndraft:\n  weights: w.bin\n")
+    for d in ("old", "new"):
+        (tmp_path / "results" / d).mkdir(parents=True)
+    (tmp_path / "results" / "old" / "r.json").write_text("{}")
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-q", "-m", "old result", "--date=2026-01-01T00:00:00")
+    (tmp_path / "w.bin").write_text("draft")
+    git("add", "-A")
+    subprocess.run(["sleep", "1.1"], check=True)  # commit times have 1 s resolution
+    git("commit", "-q", "-m", "the draft")
+    (tmp_path / "results" / "new" / "r.json").write_text("{}")
+    subprocess.run(["sleep", "1.1"], check=True)
+    git("add", "-A")
+    git("commit", "-q", "-m", "new result")
+    monkeypatch.setattr(study_mod, "REPO", tmp_path)
+    monkeypatch.setattr(study_mod, "pair_defaults", lambda name: {"draft": {"weights": "w.bin"}} if name == "p" else None)
+    results = tmp_path / "results"
+    old, new = Section("old", "", ("python -m decode",)), Section("new", "", ("python -m decode",))
+    assert "earlier draft" in study_mod.older_than_draft(results, old, [])
+    assert study_mod.older_than_draft(results, new, []) == ""
+    assert study_mod.older_than_draft(results, Section("old", "", ("python -m decode pair=q",)), []) == ""
+    assert study_mod.older_than_draft(results, old, [{"pair": "p", "draft_files": {"weights": "x"}}]) == ""
+    (results / "old" / "r.json").write_text('{"changed": 1}')
+    assert study_mod.older_than_draft(results, old, []) == ""
+
+
 def test_study_owner_of_a_results_file():
     """Each file under results/ belongs to the deepest section folder above it; `only` sections claim their files."""
     from eval.study import Section, Study, owner
