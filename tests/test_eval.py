@@ -212,6 +212,7 @@ def test_study_marks_files_committed_before_the_draft(tmp_path, monkeypatch):
     weights; one committed after them, one with uncommitted changes and one whose command picks another pair are
     not."""
     import subprocess
+    import time
 
     import eval.study as study_mod
     from eval.study import Section
@@ -228,13 +229,13 @@ def test_study_marks_files_committed_before_the_draft(tmp_path, monkeypatch):
     (tmp_path / "results" / "old" / "r.json").write_text("{}")
     git("init", "-q")
     git("add", "-A")
-    git("commit", "-q", "-m", "old result", "--date=2026-01-01T00:00:00")
+    git("commit", "-q", "-m", "old result")
     (tmp_path / "w.bin").write_text("draft")
     git("add", "-A")
-    subprocess.run(["sleep", "1.1"], check=True)  # commit times have 1 s resolution
+    time.sleep(1.1)  # commit times have 1 s resolution
     git("commit", "-q", "-m", "the draft")
     (tmp_path / "results" / "new" / "r.json").write_text("{}")
-    subprocess.run(["sleep", "1.1"], check=True)
+    time.sleep(1.1)
     git("add", "-A")
     git("commit", "-q", "-m", "new result")
     monkeypatch.setattr(study_mod, "REPO", tmp_path)
