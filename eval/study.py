@@ -25,6 +25,7 @@ finished result folders and composes no pair, dataset or model.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 from dataclasses import dataclass, field
@@ -179,9 +180,14 @@ def stale_reasons(rec: dict, overrides: set[str] = frozenset()) -> list[str]:
 
 def default_pair() -> str:
     """The pair the stages use when none is named (conf/decode.yaml's defaults list)."""
+    return _default_pair(Path(REPO))
+
+
+@functools.lru_cache(maxsize=None)  # read once per study run, not once per section
+def _default_pair(repo: Path) -> str:
     from omegaconf import OmegaConf
 
-    for item in OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "decode.yaml")).get("defaults", []):
+    for item in OmegaConf.to_container(OmegaConf.load(repo / "conf" / "decode.yaml")).get("defaults", []):
         if isinstance(item, dict) and "pair" in item:
             return str(item["pair"])
     raise UserError("conf/decode.yaml names no default pair")
@@ -206,6 +212,11 @@ def _committed_at(path: Path) -> int | None:
     return int(stamp) if stamp else None
 
 
+@functools.lru_cache(maxsize=None)  # one git call per study run for the draft, whatever the number of sections
+def _draft_committed_at(repo: Path, weights: str) -> int | None:
+    return _committed_at(repo / weights)
+
+
 def older_than_draft(results: Path, sec: Section, recs: list[dict]) -> str:
     """A reason when the section's files record no draft fingerprint and were last committed before today's draft
     weights of the default pair were: made with an earlier draft. '' when its records name the draft by content
@@ -216,7 +227,7 @@ def older_than_draft(results: Path, sec: Section, recs: list[dict]) -> str:
     if any(re.search(rf"\bpair=(?!{re.escape(pair)}\b)|\bpair\.draft\.weights=|\bstudent=", c) for c in sec.commands):
         return ""
     weights = ((pair_defaults(pair) or {}).get("draft") or {}).get("weights")
-    draft_at = _committed_at(REPO / weights) if weights else None
+    draft_at = _draft_committed_at(Path(REPO), weights) if weights else None
     d = results / sec.folder
     files = [d / f for f in sec.only if f.endswith(".json")] if sec.only else sorted(d.glob("*.json"))
     made = [t for t in (_committed_at(f) for f in files if f.is_file()) if t is not None]

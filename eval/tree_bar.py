@@ -14,7 +14,8 @@ from eval.tree_sweep's JSON (node saving at equal τ: (tau_learned, nodes_learne
 τ_eagle2, so tau_learned = tau_eagle2 by construction; `tau_learned_at_equal_nodes` is the other reading),
 eval.tree_replay's JSON (best tree ÷ best chain, cost model), a decode summary.json of the wall-clock run (best tree
 builder against the best chain policy; the oracle reads the target's output — an upper bound, not a method — so
-it is no chain candidate), a node head's results.json or export record (test/auroc, test/auroc_joint: train/job.py) and
+it is no chain candidate), a node head's results.json or export record (AUROC on the on-path label against the joint's:
+test/auroc_path and test/auroc_path_joint, or test/auroc and test/auroc_joint for a path head; train/job.py) and
 eval.tree_ceiling's ceiling.json. `pass` holds each criterion of the issue as true/false. A missing input is one
 error line naming the file and the command that makes it; nothing is written unless every input reads.
 """
@@ -123,6 +124,21 @@ def wall_part(summary: dict, folder: Path, resamples: int) -> tuple[dict, list[s
     return out, notes
 
 
+def auroc_part(head: dict, path) -> tuple[dict, list[str]]:
+    """The head's AUROC against the joint probability's on the on-path label. The joint is a path score, so a
+    conditional head (labels=on_path_given_parent) is scored by its composed P(on path) (test/auroc_path); its own
+    label's AUROC, where the joint is no natural baseline, goes to the notes."""
+    key = "test/auroc_path" if "test/auroc_path" in head else "test/auroc"
+    joint = "test/auroc_path_joint" if key == "test/auroc_path" else "test/auroc_joint"
+    auroc = {"head": need(head, key, "head", path), "joint_prob": need(head, joint, "head", path)}
+    notes = []
+    if key == "test/auroc_path" and head.get("test/auroc") != head.get(key):
+        notes.append(f"head, on its own label: AUROC {head['test/auroc']:.3f} vs joint "
+                     f"{head.get('test/auroc_joint', float('nan')):.3f} and the node's own q "
+                     f"{head.get('test/auroc_q_token', float('nan')):.3f}; the bar reads the on-path label")
+    return auroc, notes
+
+
 def wall_command(folder: Path) -> str | None:
     """decode's command, rebuilt from run.json (decode records its settings, not its command line)."""
     p = folder / "run.json"
@@ -141,9 +157,8 @@ def assemble(cfg: DictConfig) -> dict:
     replay, notes = replay_part(data["sweep"], data["replay"], str(cfg.learned), paths)
     wall_folder = Path(str(paths.wall)).parent
     wall, wall_notes = wall_part(data["wall"], wall_folder, int(cfg.resamples))
-    head = data["head"]
-    auroc = {"head": need(head, "test/auroc", "head", paths.head),
-             "joint_prob": need(head, "test/auroc_joint", "head", paths.head)}
+    auroc, head_notes = auroc_part(data["head"], paths.head)
+    notes += head_notes
     ceiling = {"rank_vector": need(data["ceiling"], "rank_vector", "ceiling", paths.ceiling),
                "static_tree_vs_chain": need(data["ceiling"], "static_tree_vs_chain", "ceiling", paths.ceiling)}
     c = cfg.criteria
@@ -160,7 +175,7 @@ def assemble(cfg: DictConfig) -> dict:
     }
     recorded = {"sweep": data["sweep"].get("settings", {}).get("command"),
                 "replay": data["replay"].get("settings", {}).get("command"), "wall": wall_command(wall_folder),
-                "head": head.get("command"), "ceiling": data["ceiling"].get("command")}
+                "head": data["head"].get("command"), "ceiling": data["ceiling"].get("command")}
     sources = {n: {"file": str(paths[n]), "command": recorded[n] or MAKES[n]} for n in MAKES}
     return {"replay": replay, "wall": wall, "auroc": auroc, "ceiling": ceiling, "sources": sources, "pass": passed,
             "criteria": {k: float(v) for k, v in c.items()}, "notes": notes + wall_notes,

@@ -221,6 +221,24 @@ def test_tree_bar_writes_the_keys_and_the_pass_flags(tmp_path):
     assert bar2["pass"]["node_saving"] is False and bar2["pass"]["wall_size"] is False and bar2["pass"]["auroc"]
 
 
+def test_tree_bar_scores_a_conditional_head_on_the_path_label(tmp_path):
+    """The joint probability is a path score: a conditional head is compared by its composed P(on path), not by its
+    own label where it beats the joint by construction (that reading goes to the notes)."""
+    from eval.tree_bar import run
+
+    files = bar_inputs(tmp_path)
+    files["head"].write_text(json.dumps({"test/auroc": 0.97, "test/auroc_joint": 0.92, "test/auroc_q_token": 0.96,
+                                         "test/auroc_path": 0.97, "test/auroc_path_joint": 0.96}))
+    bar = run(bar_cfg(files, tmp_path / "bar.json"))
+    assert bar["auroc"] == {"head": 0.97, "joint_prob": 0.96} and bar["pass"]["auroc"] is False
+    assert any("own label" in n for n in bar["notes"]) is False  # equal readings: nothing to add
+    files["head"].write_text(json.dumps({"test/auroc": 0.968, "test/auroc_joint": 0.924, "test/auroc_q_token": 0.96,
+                                         "test/auroc_path": 0.971, "test/auroc_path_joint": 0.961}))
+    bar = run(bar_cfg(files, tmp_path / "bar.json"))
+    assert bar["auroc"] == {"head": 0.971, "joint_prob": 0.961} and bar["pass"]["auroc"] is False
+    assert any("own label: AUROC 0.968 vs joint 0.924" in n for n in bar["notes"])
+
+
 def test_tree_bar_refuses_a_missing_input_in_one_line(tmp_path, cli):
     """A missing input: one line naming the file and the command that makes it, and no bar written."""
     from eval.tree_bar import run
