@@ -1,8 +1,8 @@
 """A decode run's outputs: the Markdown tables, the plots and the files in `out_dir`.
 
-`prompts.jsonl` (one row per method × prompt), `summary.json` ({method: metrics}), `summary.md` (the table),
-`run.json` (settings, device, measured cost ratio), `speedup.png` (with 95% bootstrap intervals over prompts),
-`acceptance_by_position.png`, and for prompts with several tasks (Spec-Bench) `by_task.{json,md}`. `plots` redraws
+`prompts.jsonl` (one row per method × prompt; see compact_rows), `summary.json` ({method: metrics}), `summary.md`
+(the table), `run.json` (settings, device, measured cost ratio), `speedup.png` (with 95% bootstrap intervals over
+prompts), `acceptance_by_position.png`, and for prompts with several tasks (Spec-Bench) `by_task.{json,md}`. `plots` redraws
 the two PNGs from summary.json and prompts.jsonl alone (eval.study does, for every decode folder under results/).
 """
 
@@ -134,6 +134,15 @@ def task_table(by_task: dict, title: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
+def compact_rows(rows: list[dict]) -> list[dict]:
+    """The rows as prompts.jsonl stores them: a method's output identical to target-only's on its prompt keeps
+    `same_as_target: true` instead of a second copy of the tokens and text (the target row holds them), which
+    shrinks a greedy run's file by a fifth (bf16, near-tie departures) to two fifths (float32); every output that
+    differs is kept whole."""
+    return [{k: v for k, v in r.items() if k not in ("tokens", "text")} | {"same_as_target": True}
+            if r["method"] != "target" and r.get("matches_target") is True else r for r in rows]
+
+
 def write_outputs(out_dir: Path, summary: dict, rows: list[dict], run_info: dict, title: str, make_plots: bool,
                   prefix: str = "", by_task: dict | None = None) -> None:
     """Every file of one split's run; summary.json last, so its presence means the run finished."""
@@ -141,7 +150,7 @@ def write_outputs(out_dir: Path, summary: dict, rows: list[dict], run_info: dict
     if by_task:
         write_text_atomic(out_dir / f"{prefix}by_task.json", json.dumps(by_task, indent=2))
         write_text_atomic(out_dir / f"{prefix}by_task.md", task_table(by_task, title))
-    write_text_atomic(out_dir / f"{prefix}prompts.jsonl", jsonl_text(rows))
+    write_text_atomic(out_dir / f"{prefix}prompts.jsonl", jsonl_text(compact_rows(rows)))
     write_text_atomic(out_dir / f"{prefix}run.json", json.dumps(run_info, indent=2))
     write_text_atomic(out_dir / f"{prefix}summary.md", markdown_table(summary, title))
     if make_plots:

@@ -205,7 +205,22 @@ def test_cli_summary(cli, tmp_path, tiny_pair):
     assert summary["oracle"]["oracle"] is True
     rows = [json.loads(line) for line in (out / "prompts.jsonl").read_text().splitlines()]
     assert len(rows) == 2 * 5
+    # lossless outputs are stored once, on the target's row
+    assert all("tokens" in r and "text" in r for r in rows if r["method"] == "target")
+    assert all(r["same_as_target"] and "tokens" not in r and "text" not in r for r in rows if r["method"] != "target")
     assert "| svip |" in (out / "summary.md").read_text()
+
+
+def test_compact_rows_keeps_every_output_that_differs():
+    from decode.report import compact_rows
+
+    rows = [{"method": "target", "tokens": [1, 2], "text": "ab"},
+            {"method": "a", "tokens": [1, 2], "text": "ab", "matches_target": True},
+            {"method": "b", "tokens": [1, 3], "text": "ac", "matches_target": False},
+            {"method": "c", "tokens": [1, 3], "text": "ac"}]  # sampling: no comparison made
+    out = compact_rows(rows)
+    assert out[0] == rows[0] and out[2] == rows[2] and out[3] == rows[3]
+    assert out[1] == {"method": "a", "matches_target": True, "same_as_target": True}
 
 
 def compose(*overrides):
@@ -362,8 +377,9 @@ def test_head_pair_mismatch(tmp_path, tiny_pair):
 
 
 @pytest.mark.real
-def test_real_mbpp_greedy_lossless_constant_and_svip():
-    """≥ 20 real MBPP prompts on the default pair: greedy constant and svip outputs equal target-only token for token.
+def test_real_mbpp_greedy_lossless_chains_and_trees():
+    """≥ 20 real MBPP prompts on the default pair: greedy constant and svip outputs, and the tree builders' (sized on a
+    flat t(n), so they branch), equal target-only token for token.
 
     In float32: in bf16 the same position computed in a 1-token step and in a 6-token verify pass can differ in the
     last bit and flip a near-tie argmax (3 of 40 runs here), which is numerics, not the algorithm.
@@ -372,6 +388,8 @@ def test_real_mbpp_greedy_lossless_constant_and_svip():
 
     from data_gen.prompts import load_prompts
     from decode.run import tokenize_prompts
+    from decode.tree_builders import Eagle2, Sequoia, TreeStatic
+    from models.cost import CostProfile
     from models.pair import load_pair
     from utils.cli import CONF_DIR
 
@@ -382,14 +400,22 @@ def test_real_mbpp_greedy_lossless_constant_and_svip():
     prompts = load_prompts(OmegaConf.load(CONF_DIR / "dataset" / "mbpp.yaml"), "test", 20)
     ids = tokenize_prompts(pair, prompts, 16)
     eos = pair.eos_ids
-    bad = []
+    flat = CostProfile(key={}, draft_ms=[0.05], target_ms=[1.0] * 64, prefill_lengths=[1], prefill_target_ms=[1.0],
+                       prefill_draft_ms=[0.05], context=1, repeats=1)
+    rank_probs = OmegaConf.load(CONF_DIR / "policy" / "sequoia.yaml").rank_probs
+    policies = [build_policy("constant", {}), build_policy("svip", {}), TreeStatic(rank_probs=rank_probs, profile=flat),
+                Sequoia(rank_probs=rank_probs, max_nodes=16, profile=flat), Eagle2(max_nodes=16, profile=flat)]
+    bad, widest = [], 0
     for p, x in zip(prompts, ids):
         ref = autoregressive(pair, x, 16, eos=eos)
-        for name in ("constant", "svip"):
-            res = speculative(pair, x, build_policy(name, {}), 16, eos=eos)
+        for policy in policies:
+            res = speculative(pair, x, policy, 16, eos=eos)
+            if isinstance(policy, TreeStatic):
+                widest = max(widest, max(k for k, _ in res.rounds))
             if res.tokens != ref.tokens:
-                bad.append((p.prompt_id, name))
+                bad.append((p.prompt_id, policy.name))
     assert len(prompts) == 20 and not bad, bad
+    assert widest > len(policies[2].branching)  # more nodes than levels in a round: the static tree branched
 
 
 def test_tie_margin_of_a_divergence(tiny_pair):
