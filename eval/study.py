@@ -333,12 +333,16 @@ def headline(results: Path, study: Study | None = None) -> str:
     keys = [k for k in summary if k != "target"]
     ci = speedup_intervals(rows, keys)
     order = ["target", *sorted(cost, key=lambda k: -cost[k]), *(k for k in keys if k not in cost)]
-    lines = [f"Default pair `{run.get('pair')}`, MBPP test prompts, greedy, batch 1; {run.get('machine')}, "
-             f"{str(run.get('dtype')).removeprefix('torch.')}, {run.get('date')}. Speedup over target-only decoding "
-             "of the same prompts; [95% bootstrap interval over prompts].", "",
+    rs = bar.get("replay_settings") or {}
+    replay_at = "".join([f", c = {rs['c']:.3f}" if rs.get("c") is not None else "",
+                         f", {rs['date']}" if rs.get("date") else ""])
+    lines = [f"Default pair `{run.get('pair')}`, MBPP test prompts, greedy, batch 1. Speedup over target-only decoding "
+             "of the same prompts; [95% bootstrap interval over prompts]. The two columns are separate runs: the wall "
+             f"clock on {run.get('machine')}, {str(run.get('dtype')).removeprefix('torch.')}, {run.get('date')}; the "
+             "replay under the cost profile its traces' machine measured (its c and date in the header).", "",
              f"| method | wall clock, default parameters (`results/{h['wall']}`, {run.get('limit')} prompts × "
              f"{run.get('max_new_tokens')} tokens) | cost model, tuned on validation (`results/{h['replay']}`, "
-             f"{bar['replay']['prompts']} prompts) |", "|---|---|---|"]
+             f"{bar['replay']['prompts']} prompts{replay_at}) |", "|---|---|---|"]
     for k in order:
         name = k + (" (upper bound)" if k == "oracle" else "")
         if k == "target":
