@@ -2,8 +2,9 @@
 
 `prompts.jsonl` (one row per method × prompt; see compact_rows), `summary.json` ({method: metrics}), `summary.md`
 (the table), `run.json` (settings, device, measured cost ratio), `speedup.png` (with 95% bootstrap intervals over
-prompts), `acceptance_by_position.png`, and for prompts with several tasks (Spec-Bench) `by_task.{json,md}`. `plots` redraws
-the two PNGs from summary.json and prompts.jsonl alone (eval.study does, for every decode folder under results/).
+prompts), `acceptance_by_position.png`, and for prompts with several tasks (Spec-Bench) `by_task.{json,md}`.
+`plots` redraws the two PNGs from summary.json and prompts.jsonl alone (eval.study does, for every decode folder
+under results/).
 """
 
 from __future__ import annotations

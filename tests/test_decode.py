@@ -378,8 +378,8 @@ def test_head_pair_mismatch(tmp_path, tiny_pair):
 
 @pytest.mark.real
 def test_real_mbpp_greedy_lossless_chains_and_trees():
-    """≥ 20 real MBPP prompts on the default pair: greedy constant and svip outputs, and the tree builders' (sized on a
-    flat t(n), so they branch), equal target-only token for token.
+    """≥ 20 real MBPP prompts on the default pair: greedy constant and svip outputs, and the tree builders' (sized
+    on a flat t(n), so they branch), equal target-only token for token.
 
     In float32: in bf16 the same position computed in a 1-token step and in a 6-token verify pass can differ in the
     last bit and flip a near-tie argmax (3 of 40 runs here), which is numerics, not the algorithm.
@@ -389,8 +389,8 @@ def test_real_mbpp_greedy_lossless_chains_and_trees():
     from data_gen.prompts import load_prompts
     from decode.run import tokenize_prompts
     from decode.tree_builders import Eagle2, Sequoia, TreeStatic
-    from models.cost import CostProfile
     from models.pair import load_pair
+    from tests.test_trees import _profile
     from utils.cli import CONF_DIR
 
     torch.set_num_threads(1)  # a busy shared CPU runs one thread per process best
@@ -400,8 +400,7 @@ def test_real_mbpp_greedy_lossless_chains_and_trees():
     prompts = load_prompts(OmegaConf.load(CONF_DIR / "dataset" / "mbpp.yaml"), "test", 20)
     ids = tokenize_prompts(pair, prompts, 16)
     eos = pair.eos_ids
-    flat = CostProfile(key={}, draft_ms=[0.05], target_ms=[1.0] * 64, prefill_lengths=[1], prefill_target_ms=[1.0],
-                       prefill_draft_ms=[0.05], context=1, repeats=1)
+    flat = _profile(slope=0.0)  # a GPU's flat t(n): every builder grows real trees
     rank_probs = OmegaConf.load(CONF_DIR / "policy" / "sequoia.yaml").rank_probs
     policies = [build_policy("constant", {}), build_policy("svip", {}), TreeStatic(rank_probs=rank_probs, profile=flat),
                 Sequoia(rank_probs=rank_probs, max_nodes=16, profile=flat), Eagle2(max_nodes=16, profile=flat)]
