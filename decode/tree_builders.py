@@ -15,6 +15,8 @@ verification pass where the profile says so, and on a CPU whose t(n) climbs with
 
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 import torch
 
@@ -439,16 +441,24 @@ class LearnedTree(Eagle2):
         from data_gen.labels import is_conditional
 
         self.conditional = is_conditional(bundle.labels)  # P(on path | parent on path): composed by product
+        self._rows = None  # bundle.row_scorer(), made on first use
+        self._acc: tuple = (None, [])  # (the tree, P(on path) of its nodes composed so far)
 
     def acceptance(self, tree):
+        """P(on path) of every node so far. Only the nodes added since the last call are scored and composed (a
+        parent comes before its children, so theirs is known): models.features.compose_path's numbers, node by node."""
         if len(tree.score) < len(tree):  # decode: score the nodes added since (their parents' distributions are known)
             new = list(range(len(tree.score), len(tree)))
             x = self.kind.node_rows(tree, new, self.bundle.spec)
-            tree.score.extend(self.bundle.prob(x).reshape(-1).tolist())
-        from models.features import compose_path
-
-        n = len(tree)
-        return compose_path(tree.score[:n], tree.parents[:n], "product" if self.conditional else "min").tolist()
+            self._rows = self._rows or self.bundle.row_scorer()
+            tree.score.extend(self._rows(x.numpy()).reshape(-1).tolist())
+        if self._acc[0] is not tree:
+            self._acc = (tree, [])
+        acc, op = self._acc[1], operator.mul if self.conditional else min
+        for i in range(len(acc), len(tree)):
+            par = tree.parents[i]
+            acc.append(float(tree.score[i]) if par < 0 else op(float(tree.score[i]), acc[par]))
+        return acc
 
     def describe(self):
         return {**super().describe(), "head": self.bundle.path, "head_kind": self.bundle.spec.kind,

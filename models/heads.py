@@ -56,6 +56,11 @@ class HeadNet(nn.Module):
         """Raw features (dim,) → calibrated P(accept) as bare tensor ops (HeadBundle.scorer); None: use the module."""
         return None
 
+    def fast_rows(self, mean, std, t: float, c: float):
+        """Raw feature rows (n, dim) float32 numpy → calibrated P (n,) in numpy (HeadBundle.row_scorer); None: use the
+        module."""
+        return None
+
 
 class DiscoFFN(HeadNet):
     """DISCO: Linear(dim, hidden) → ReLU → Linear(hidden, 1)."""
@@ -74,6 +79,19 @@ class DiscoFFN(HeadNet):
         last = self.net[-1]
         w2, b2 = (last.weight[0] / t).detach().clone(), (last.bias / t + c).detach().clone()
         return lambda x: float(torch.sigmoid(torch.dot(w2, torch.relu(torch.addmv(b1, w1, x))) + b2))
+
+    def fast_rows(self, mean, std, t, c):
+        import numpy as np
+
+        w1, b1 = (v.cpu().numpy() for v in _fold(self.net[0], mean, std))
+        w1 = np.ascontiguousarray(w1.T)
+        last = self.net[-1]
+        w2, b2 = (last.weight[0] / t).detach().cpu().numpy(), float(last.bias / t + c)
+
+        def rows(x):
+            return 1.0 / (1.0 + np.exp(-(np.maximum(x @ w1 + b1, 0.0) @ w2 + b2)))
+
+        return rows
 
 
 class C2TFFN(DiscoFFN):
@@ -364,6 +382,17 @@ class HeadBundle:
         t, c = float(self.calibration.get("temperature", 1.0)), float(self.calibration.get("bias", 0.0))
         fast = net.fast_scorer(mean, std, t, c)
         return fast if fast is not None else (lambda x: float(self.prob(x)))
+
+    @torch.no_grad()
+    def row_scorer(self):
+        """A function raw feature rows (n, spec.dim) float32 numpy → P (n,) numpy: `prob` for the few rows of a tree
+        level (decode's node heads score a handful of nodes per draft call). The same numbers to float32 rounding (a
+        test checks); numpy, because on rows this small torch's per-op dispatch was most of the head's time (~120 µs
+        a level against ~20)."""
+        net, mean, std = self.head.net, self.head.mean, self.head.std
+        t, c = float(self.calibration.get("temperature", 1.0)), float(self.calibration.get("bias", 0.0))
+        fast = net.fast_rows(mean, std, t, c)
+        return fast if fast is not None else (lambda x: self.prob(torch.from_numpy(x)).cpu().numpy())
 
     def check_pair(self, pair) -> None:
         """Refuse a pair this head was not trained for (pair id, tokenizer, draft hidden size)."""

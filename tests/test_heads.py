@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -70,6 +71,12 @@ def test_scorer_matches_prob(kind, spec, arch):
     score = bundle.scorer()
     for x in torch.randn(5, spec.dim) * 3:
         assert abs(score(x) - float(bundle.prob(x))) < 1e-5
+    # the tree builders' batch form (numpy rows; a family without fast_rows falls back to the module), calibrated
+    bundle.calibration = {"temperature": 1.7, "bias": -0.3, "mode": "platt"}
+    x = torch.randn(7, spec.dim) * 3
+    rows = bundle.row_scorer()(x.numpy())
+    assert rows.shape == (7,)
+    np.testing.assert_allclose(rows, bundle.prob(x).numpy(), atol=1e-5, rtol=1e-5)
 
 
 def test_features_from_columns_disco_matches_decode_step():
