@@ -22,7 +22,6 @@ on the rows the head's scheme labels (all nodes for on_path; the `cond` rows for
 
 from __future__ import annotations
 
-import json
 import math
 import warnings
 from pathlib import Path
@@ -34,6 +33,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from data_gen.contract import check_compatible, default_trace_folder
 from eval.metrics import BASELINE_LABELS, baseline_auroc, baseline_scores, expected_calibration_error
 from utils.cli import UserError, output_dir
+from utils.files import json_text
 
 ROUND_BUCKETS = [(0, 0), (1, 1), (2, 2), (3, 3), (4, 7), (8, 15), (16, None)]
 CONT_BUCKETS = [(0, 15), (16, 31), (32, 63), (64, 127), (128, 255), (256, None)]
@@ -421,7 +421,7 @@ def run(cfg: DictConfig) -> dict:
             report["comparison"]["node_views"] = {n: r.get("node_views") for n, r in zip(names, reports)}
     report["plots"] = {p.stem: str(p) for p in pngs}
     md = markdown(reports, names)
-    (out / "report.json").write_text(json.dumps(_jsonable(report), indent=2))
+    (out / "report.json").write_text(json_text(_jsonable(report), indent=2))
     (out / "report.md").write_text(md)
     log_wandb(cfg, report, reports, names, pngs, out)
     print(md)

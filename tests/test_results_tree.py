@@ -152,6 +152,18 @@ def test_no_superseded_runs_or_checkpoints_and_small():
     assert size <= 6 * 2**20, f"results/ holds {size / 2**20:.1f} MiB; keep it under 6 MiB"
 
 
+def test_json_text_puts_number_lists_on_one_line_and_round_trips():
+    """eval's report.json writer: a curve is one line, not one line per number; strings and mixed lists untouched."""
+    from utils.files import json_text
+
+    obj = {"roc": [[0.0, 2.5e-05, 1.0], [-3, None, 0.5]], "s": "[1,\n 2]", "mixed": [1, "x"], "empty": []}
+    text = json_text(obj, indent=2)
+    assert json.loads(text) == obj
+    assert '[0.0, 2.5e-05, 1.0]' in text and '[-3, null, 0.5]' in text
+    assert len(text.splitlines()) == len(json_text({"roc": [[0], [0]], "s": "", "mixed": [1, "x"], "empty": []},
+                                                   indent=2).splitlines())
+
+
 def test_results_readme_and_headline_are_generated():
     """results/README.md and README.md's block are what `python -m eval.study` writes from the files now."""
     from eval.study import build, headline, readme_block

@@ -56,6 +56,21 @@ def jsonl_text(rows, digits: int = 6) -> str:
     return "".join(json.dumps(short(r)) + "\n" for r in rows)
 
 
+def json_text(obj, indent: int = 1) -> str:
+    """`json.dumps(obj, indent=indent)` with each list of plain numbers on one line: a report's curves (eval's ROC
+    and PR points) take one line per number otherwise, most of a report's size under results/."""
+    import json
+    import re
+
+    number = r"(?:-?\d[\d.eE+-]*|null|NaN|-?Infinity)"
+
+    def one_line(m):  # a list of numbers json.dumps spread over lines (a JSON string holds no raw newline)
+        body = m.group(0)
+        return "[" + ", ".join(v.strip() for v in body[1:-1].split(",")) + "]" if "\n" in body else body
+
+    return re.sub(rf"\[\s*{number}(?:,\s*{number})*\s*\]", one_line, json.dumps(obj, indent=indent)) + "\n"
+
+
 def write_result(out_dir: Path, stem: str, result: dict, lines: list[str]) -> None:
     """A benchmark's `<stem>.json` (the numbers) and `<stem>.md` (its table) in `out_dir`, and the table printed."""
     import json
