@@ -74,19 +74,21 @@ class DiscoFFN(HeadNet):
     def forward(self, x):
         return self.net(x).squeeze(-1)
 
-    def fast_scorer(self, mean, std, t, c):
+    def _folded(self, mean, std, t, c):
+        """(w1, b1, w2, b2): the first layer with the normalisation folded in, the last with the calibration."""
         w1, b1 = _fold(self.net[0], mean, std)
         last = self.net[-1]
-        w2, b2 = (last.weight[0] / t).detach().clone(), (last.bias / t + c).detach().clone()
+        return w1, b1, (last.weight[0] / t).detach().clone(), (last.bias / t + c).detach().clone()
+
+    def fast_scorer(self, mean, std, t, c):
+        w1, b1, w2, b2 = self._folded(mean, std, t, c)
         return lambda x: float(torch.sigmoid(torch.dot(w2, torch.relu(torch.addmv(b1, w1, x))) + b2))
 
     def fast_rows(self, mean, std, t, c):
         import numpy as np
 
-        w1, b1 = (v.cpu().numpy() for v in _fold(self.net[0], mean, std))
-        w1 = np.ascontiguousarray(w1.T)
-        last = self.net[-1]
-        w2, b2 = (last.weight[0] / t).detach().cpu().numpy(), float(last.bias / t + c)
+        w1, b1, w2, b2 = (v.cpu().numpy() for v in self._folded(mean, std, t, c))
+        w1, b2 = np.ascontiguousarray(w1.T), float(b2[0])
 
         def rows(x):
             return 1.0 / (1.0 + np.exp(-(np.maximum(x @ w1 + b1, 0.0) @ w2 + b2)))
