@@ -86,12 +86,13 @@ class DiscoFFN(HeadNet):
 
     def fast_rows(self, mean, std, t, c):
         import numpy as np
+        from scipy.special import expit  # the sigmoid without exp's overflow at very negative logits
 
         w1, b1, w2, b2 = (v.cpu().numpy() for v in self._folded(mean, std, t, c))
         w1, b2 = np.ascontiguousarray(w1.T), float(b2[0])
 
         def rows(x):
-            return 1.0 / (1.0 + np.exp(-(np.maximum(x @ w1 + b1, 0.0) @ w2 + b2)))
+            return expit(np.maximum(x @ w1 + b1, 0.0) @ w2 + b2)
 
         return rows
 
