@@ -1,0 +1,181 @@
+"""Would the draft's hidden state, or more training prompts, lift a node head past the joint probability (issue 30)?
+
+    python -m bench.tree_node_signals [out_dir=results/trees]
+
+Issue 30 asks a node head to beat the joint draft probability by 0.03 path AUROC; the shipped conditional plus head
+leads by 0.010 (0.971 vs 0.961), its conditional AUROC 0.968 against the node's own q 0.960. The head's path score
+is the product of its conditional P(accepted | parent accepted) along the root path, so a lead on the path label
+can only come from a lead on the conditional task. This probe measures the conditional task with the inputs the
+tree traces do not store: the draft's last hidden state at the parent (SPRINTER's feature, 576 floats a node, left
+out of the tree traces for size) and five times the training prompts.
+
+The conditional population is rebuilt from the chain heads' MBPP traces (target-greedy continuations): at every
+position of the target's path the parent is on the path, and its children in a width-4 tree are the draft's top-4
+tokens there (label: the child is the target's token), one teacher-forced draft pass per prompt. Features:
+- `node`: rank, q of the token, the parent distribution's entropy and top-10 probabilities (tree_node's inputs that
+  do not depend on depth);
+- `copy`: copy_len / lookup_hit / lookup_len of the token after the context (models.features.ContextIndex, the copy
+  group of tree_node_plus);
+- `draft_hidden`: the parent's hidden state, 16 principal components fitted on the training rows.
+Scored by a gradient-boosted probe (sklearn), trained on the heads' 60 MBPP train prompts and tested on the first
+250 test prompts; the `more data` rows add test prompts 251-500 to the training rows (a learning curve only: no
+head ships from them).
+
+A second table maps a conditional lead onto the path label the bar reads, on the MBPP tree traces (the first
+`tree_prompts` test prompts): synthetic conditional heads logit(s) = logit(q) + beta * (2y - 1) on the nodes whose
+parent is on the path (y: the node is the target's token) and s = q elsewhere, composed by product along the root
+path as the learned builder composes its head. beta = 0 is the joint probability. Writes tree_node_signals.{json,md}
+under out_dir.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from omegaconf import DictConfig
+from sklearn.decomposition import PCA
+from sklearn.ensemble import HistGradientBoostingClassifier
+from sklearn.metrics import roc_auc_score
+from tqdm import tqdm
+
+from bench import command, repo_path
+from data_gen.traces import _forward, _head
+from eval.replay import load_greedy_traces
+from models.distributions import draft_probs
+from models.features import ContextIndex, continuation_starts
+from models.pair import load_pair
+from utils.cli import UserError, hydra_entry
+from utils.files import write_result
+
+WIDTH, TOPK, PCS, TEST_PROMPTS = 4, 10, 16, 250
+HEAD_KEYS = ("test/auroc_cond", "test/auroc_cond_q_token", "test/auroc_path", "test/auroc_path_joint")
+SETS = {"node": [], "+copy": ["copy"], "+draft_hidden": ["draft_hidden"], "+copy +draft_hidden": ["copy", "draft_hidden"]}
+MORE_DATA = ["+copy", "+copy +draft_hidden"]
+BETAS = [0.0, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5]
+
+
+@torch.no_grad()
+def load(pair, folder: Path) -> dict:
+    """Per prompt, the conditional node rows: (node features, copy features, parent hidden state, label)."""
+    cols, _ = load_greedy_traces(folder, ["prompt_tokens", "context_token", "position", "prompt_id"])
+    first = np.flatnonzero(continuation_starts(cols))
+    ends = np.append(first[1:], len(cols["position"]))
+    ctx = cols["context_token"].astype(np.int64)
+    prompts = []
+    for a, b in tqdm(list(zip(first, ends)), desc=f"teacher-forced draft ({folder.name})", mininterval=5):
+        prompt = [int(t) for t in cols["prompt_tokens"][a]]
+        seq, p0 = prompt + ctx[a:b].tolist(), len(prompt) - 1
+        ids = torch.tensor([seq])
+        hidden = _forward(pair.draft, ids, torch.ones_like(ids), torch.arange(len(seq))[None])[0][p0 : p0 + b - a]
+        q = draft_probs(_head(pair.draft, hidden, pair.vocab_size)).float()
+        top = q.topk(TOPK, -1)
+        entropy = -(q.clamp_min(1e-12).log() * q).sum(-1)
+        index, node, copy, y = ContextIndex(prompt), [], [], []
+        for r in range(b - a):
+            probs, toks = top.values[r].numpy(), top.indices[r].tolist()
+            for k in range(WIDTH):
+                node.append([k + 1, probs[k], float(entropy[r]), *probs])
+                copy.append(index.copy_features(toks[k]))
+                y.append(toks[k] == int(ctx[a + r]))
+            index.push(int(ctx[a + r]))
+        h = np.repeat(hidden.float().numpy(), WIDTH, axis=0)
+        prompts.append({"node": np.asarray(node, np.float32), "copy": np.asarray(copy, np.float32),
+                        "draft_hidden": h.astype(np.float32), "y": np.asarray(y, np.int64)})
+    return prompts
+
+
+def stack(prompts: list[dict]) -> dict:
+    return {k: np.concatenate([p[k] for p in prompts]) for k in prompts[0]}
+
+
+def auroc(train: dict, test: dict, groups: list[str], pca: PCA) -> float:
+    def block(data):
+        parts = [data["node"]] + [pca.transform(data[g]) if g == "draft_hidden" else data[g] for g in groups]
+        return np.concatenate(parts, 1)
+
+    model = HistGradientBoostingClassifier(max_iter=300, learning_rate=0.05, random_state=0)
+    model.fit(block(train), train["y"])
+    return float(roc_auc_score(test["y"], model.predict_proba(block(test))[:, 1]))
+
+
+def path_map(folder: Path, prompts: int) -> list[dict]:
+    """Conditional and path AUROC of the synthetic heads (module docstring) on the first `prompts` prompts' trees."""
+    from data_gen.contract import trace_columns
+    from data_gen.store import load_traces
+    from models.features import compose_path, parent_on_path_rows, parent_rows
+
+    ds, _ = load_traces(folder)
+    cols = trace_columns(ds, ["prompt_id", "position", "node", "parent", "q_token", "on_path"])
+    keep = np.isin(cols["prompt_id"], np.unique(cols["prompt_id"])[:prompts])  # whole trees: a prompt's rows
+    cols = {k: v[keep] for k, v in cols.items()}
+    par = parent_rows(cols)
+    y = cols["on_path"].astype(bool)
+    cond = parent_on_path_rows(par, y)
+    q = np.clip(cols["q_token"].astype(np.float64), 1e-9, 1 - 1e-9)
+    logit_q = np.log(q) - np.log1p(-q)
+    out = []
+    for beta in BETAS:
+        s = 1 / (1 + np.exp(-(logit_q + np.where(cond, beta * (2 * y - 1), 0.0))))
+        out.append({"beta": beta, "auroc_cond": float(roc_auc_score(y[cond], s[cond])),
+                    "auroc_path": float(roc_auc_score(y, compose_path(s, par, "product")))})
+    return out
+
+
+def run(cfg: DictConfig) -> None:
+    folders = {name: repo_path(f"{cfg.traces}{name}") for name in ("train", "test-lim500")}
+    folders["tree"] = repo_path(cfg.tree_traces)
+    for folder in folders.values():
+        if not folder.exists():
+            raise UserError(f"no traces at {folder}; make them with the commands in results/README.md "
+                            "(the stop heads' traces)")
+    pair = load_pair("smollm2_135m")
+    start = time.perf_counter()
+    train, test_all = stack(load(pair, folders["train"])), load(pair, folders["test-lim500"])
+    test, extra = stack(test_all[:TEST_PROMPTS]), stack(test_all[TEST_PROMPTS:])
+    more = {k: np.concatenate([train[k], extra[k]]) for k in train}
+    pca = PCA(PCS, random_state=0).fit(train["draft_hidden"])
+    pca_more = PCA(PCS, random_state=0).fit(more["draft_hidden"])
+    result_sets = {}
+    for label, groups in SETS.items():
+        result_sets[label] = auroc(train, test, groups, pca)
+        print(f"{label}: {result_sets[label]:.4f}", flush=True)
+    more_data = {label: auroc(more, test, SETS[label], pca_more) for label in MORE_DATA}
+    q_token = float(roc_auc_score(test["y"], test["node"][:, 1]))
+    synthetic = path_map(folders["tree"], int(cfg.tree_prompts))
+    head = json.loads(repo_path(cfg.head_record).read_text())
+    result = {"command": command("tree_node_signals"), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "pair": "smollm2_135m", "dtype": str(pair.dtype), "width": WIDTH, "principal_components": PCS,
+              "train_prompts": 60, "train_rows": int(len(train["y"])), "more_data_rows": int(len(more["y"])),
+              "test_prompts": TEST_PROMPTS, "test_rows": int(len(test["y"])),
+              "positive_rate": float(test["y"].mean()), "q_token": q_token, "auroc": result_sets,
+              "auroc_more_data": more_data, "tree_traces": str(cfg.tree_traces), "tree_prompts": int(cfg.tree_prompts),
+              "synthetic": synthetic, "head": {k: head.get(k) for k in HEAD_KEYS}, "seconds": round(time.perf_counter() - start)}
+    lines = [f"Conditional node AUROC — is a child of an on-path parent the target's token? (`{result['command']}`, "
+             f"{result['date']}, {result['dtype']}; width-{WIDTH} children along the target's greedy path of the "
+             f"MBPP chain traces). Gradient-boosted probe trained on the 60 train prompts ({result['train_rows']} "
+             f"rows), tested on the first {TEST_PROMPTS} test prompts ({result['test_rows']} rows, "
+             f"{result['positive_rate']:.3f} positive). The node's own q scores {q_token:.4f}.", "",
+             "| features | AUROC, 60 train prompts | AUROC, + test prompts 251-500 (~5x rows) |", "|---|---|---|"]
+    for label in SETS:
+        more_cell = f"{more_data[label]:.4f}" if label in more_data else ""
+        lines.append(f"| {label} | {result_sets[label]:.4f} | {more_cell} |")
+    lines += ["", f"node = rank, q(token), the parent's entropy and top-{TOPK} probabilities; copy = copy_len, "
+              f"lookup_hit, lookup_len; draft_hidden = the parent's last hidden state as {PCS} principal components."]
+    lines += ["", f"Conditional lead → path AUROC (synthetic heads on the first {cfg.tree_prompts} prompts' trees of "
+              f"{cfg.tree_traces}; beta = 0 is the joint, the bar asks path AUROC ≥ joint + 0.03):", "",
+              "| beta | conditional AUROC | path AUROC | path − joint |", "|---|---|---|---|"]
+    for row in synthetic:
+        lines.append(f"| {row['beta']:g} | {row['auroc_cond']:.4f} | {row['auroc_path']:.4f} | "
+                     f"{row['auroc_path'] - synthetic[0]['auroc_path']:+.4f} |")
+    lines += ["", f"The shipped head ({cfg.head_record}, its 24 test prompts' trees): conditional "
+              f"{head['test/auroc_cond']:.4f} (q {head['test/auroc_cond_q_token']:.4f}), path {head['test/auroc_path']:.4f} "
+              f"(joint {head['test/auroc_path_joint']:.4f})."]
+    write_result(repo_path(cfg.out_dir), "tree_node_signals", result, lines)
+
+
+if __name__ == "__main__":
+    hydra_entry("bench/tree_node_signals")(run)()
