@@ -164,6 +164,16 @@ def test_json_text_puts_number_lists_on_one_line_and_round_trips():
                                                    indent=2).splitlines())
 
 
+def test_jsonl_text_is_compact_and_round_trips():
+    """decode's and the replay's prompts.jsonl writer: one row a line, floats to 6 digits, no separator spaces."""
+    from utils.files import jsonl_text
+
+    rows = [{"tokens": [1604, 553], "wall_s": 4.349751234, "text": "a, b: c"}, {"rounds": [], "x": None}]
+    text = jsonl_text(rows)
+    assert text == '{"tokens":[1604,553],"wall_s":4.34975,"text":"a, b: c"}\n{"rounds":[],"x":null}\n'
+    assert [json.loads(line) for line in text.splitlines()] == [{**rows[0], "wall_s": 4.34975}, rows[1]]
+
+
 def test_results_readme_and_headline_are_generated():
     """results/README.md and README.md's block are what `python -m eval.study` writes from the files now."""
     from eval.study import build, headline, readme_block

@@ -40,8 +40,8 @@ def write_text_atomic(path: Path, text: str) -> Path:
 
 
 def jsonl_text(rows, digits: int = 6) -> str:
-    """One JSON object per line, floats rounded to `digits` significant digits: per-prompt rows are the bulk of
-    results/, and digits past the sixth are timer noise."""
+    """One JSON object per line, floats rounded to `digits` significant digits and no space after separators:
+    per-prompt rows (token lists most of all) are the bulk of results/, and digits past the sixth are timer noise."""
     import json
 
     def short(v):
@@ -53,7 +53,7 @@ def jsonl_text(rows, digits: int = 6) -> str:
             return [short(x) for x in v]
         return v
 
-    return "".join(json.dumps(short(r)) + "\n" for r in rows)
+    return "".join(json.dumps(short(r), separators=(",", ":")) + "\n" for r in rows)
 
 
 def json_text(obj, indent: int = 1) -> str:
