@@ -53,7 +53,8 @@ from utils.files import write_result
 
 WIDTH, TOPK, PCS, TEST_PROMPTS = 4, 10, 16, 250
 HEAD_KEYS = ("test/auroc_cond", "test/auroc_cond_q_token", "test/auroc_path", "test/auroc_path_joint")
-SETS = {"node": [], "+copy": ["copy"], "+draft_hidden": ["draft_hidden"], "+copy +draft_hidden": ["copy", "draft_hidden"]}
+SETS = {"node": [], "+copy": ["copy"], "+draft_hidden": ["draft_hidden"],
+        "+copy +draft_hidden": ["copy", "draft_hidden"]}
 MORE_DATA = ["+copy", "+copy +draft_hidden"]
 BETAS = [0.0, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5]
 
@@ -134,7 +135,8 @@ def run(cfg: DictConfig) -> None:
                             "(the stop heads' traces)")
     pair = load_pair("smollm2_135m")
     start = time.perf_counter()
-    train, test_all = stack(load(pair, folders["train"])), load(pair, folders["test-lim500"])
+    train_prompts, test_all = load(pair, folders["train"]), load(pair, folders["test-lim500"])
+    train = stack(train_prompts)
     test, extra = stack(test_all[:TEST_PROMPTS]), stack(test_all[TEST_PROMPTS:])
     more = {k: np.concatenate([train[k], extra[k]]) for k in train}
     pca = PCA(PCS, random_state=0).fit(train["draft_hidden"])
@@ -149,17 +151,21 @@ def run(cfg: DictConfig) -> None:
     head = json.loads(repo_path(cfg.head_record).read_text())
     result = {"command": command("tree_node_signals"), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "pair": "smollm2_135m", "dtype": str(pair.dtype), "width": WIDTH, "principal_components": PCS,
-              "train_prompts": 60, "train_rows": int(len(train["y"])), "more_data_rows": int(len(more["y"])),
+              "train_prompts": len(train_prompts), "train_rows": int(len(train["y"])),
+              "more_data_rows": int(len(more["y"])),
               "test_prompts": TEST_PROMPTS, "test_rows": int(len(test["y"])),
               "positive_rate": float(test["y"].mean()), "q_token": q_token, "auroc": result_sets,
               "auroc_more_data": more_data, "tree_traces": str(cfg.tree_traces), "tree_prompts": int(cfg.tree_prompts),
-              "synthetic": synthetic, "head": {k: head.get(k) for k in HEAD_KEYS}, "seconds": round(time.perf_counter() - start)}
+              "synthetic": synthetic, "head": {k: head.get(k) for k in HEAD_KEYS},
+              "seconds": round(time.perf_counter() - start)}
+    ratio = result["more_data_rows"] / result["train_rows"]
     lines = [f"Conditional node AUROC — is a child of an on-path parent the target's token? (`{result['command']}`, "
              f"{result['date']}, {result['dtype']}; width-{WIDTH} children along the target's greedy path of the "
-             f"MBPP chain traces). Gradient-boosted probe trained on the 60 train prompts ({result['train_rows']} "
-             f"rows), tested on the first {TEST_PROMPTS} test prompts ({result['test_rows']} rows, "
-             f"{result['positive_rate']:.3f} positive). The node's own q scores {q_token:.4f}.", "",
-             "| features | AUROC, 60 train prompts | AUROC, + test prompts 251-500 (~5x rows) |", "|---|---|---|"]
+             f"MBPP chain traces). Gradient-boosted probe trained on the {len(train_prompts)} train prompts "
+             f"({result['train_rows']} rows), tested on the first {TEST_PROMPTS} test prompts ({result['test_rows']} "
+             f"rows, {result['positive_rate']:.3f} positive). The node's own q scores {q_token:.4f}.", "",
+             f"| features | AUROC, {len(train_prompts)} train prompts | AUROC, + test prompts "
+             f"{TEST_PROMPTS + 1}-{len(test_all)} ({ratio:.1f}x rows) |", "|---|---|---|"]
     for label in SETS:
         more_cell = f"{more_data[label]:.4f}" if label in more_data else ""
         lines.append(f"| {label} | {result_sets[label]:.4f} | {more_cell} |")
@@ -172,7 +178,8 @@ def run(cfg: DictConfig) -> None:
         lines.append(f"| {row['beta']:g} | {row['auroc_cond']:.4f} | {row['auroc_path']:.4f} | "
                      f"{row['auroc_path'] - synthetic[0]['auroc_path']:+.4f} |")
     lines += ["", f"The shipped head ({cfg.head_record}, its 24 test prompts' trees): conditional "
-              f"{head['test/auroc_cond']:.4f} (q {head['test/auroc_cond_q_token']:.4f}), path {head['test/auroc_path']:.4f} "
+              f"{head['test/auroc_cond']:.4f} (q {head['test/auroc_cond_q_token']:.4f}), "
+              f"path {head['test/auroc_path']:.4f} "
               f"(joint {head['test/auroc_path_joint']:.4f})."]
     write_result(repo_path(cfg.out_dir), "tree_node_signals", result, lines)
 
