@@ -33,6 +33,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from bench import command, repo_path
 from data_gen.prompts import load_prompts, render
+from models.cost import machine
 from models.pair import layer_subset, load_pair
 from train.distill import acceptance, generate_continuations, leviathan_speedup, measure_cost_ratio
 from utils.cli import CONF_DIR, UserError, hydra_entry
@@ -164,7 +165,8 @@ def markdown(result: dict, pair, code, text) -> list[str]:
     rows = result["rows"]
     lines = [f"# Draft metrics ({result['date']})", "", f"`{result['command']}` — pair `{result['pair']}`, draft "
              f"`{json.dumps(result['draft'])}`, {pair.dtype}, batch 1, {torch.get_num_threads()} threads, "
-             f"load average {os.getloadavg()[0]:.1f} (CPU shared with other jobs: c is a median over interleaved repeats).", "",
+             f"{result['machine']['name']}, 1-min load average {result['machine']['loadavg_before']:.1f} before the run "
+             "(it adds its own threads while it runs; c is a median over interleaved repeats).", "",
              "| draft | Σmin(p,q) MBPP | greedy agree MBPP | Σmin(p,q) WikiText-2 | c (draft/target ms) | speedup greedy (γ) | speedup sampling (γ) | profile c | t(K+1)/t(1), K=1..4 | profile speedup greedy (γ) | profile speedup sampling (γ) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in rows.items():
@@ -204,6 +206,7 @@ def domain_tables(rows: dict) -> list[str]:
 
 
 def run(cfg: DictConfig) -> None:
+    load_before = os.getloadavg()[0]  # what else was running: a busy CPU slows the draft and target unevenly
     pcfg = pair_config(cfg)
     pair = load_pair(pcfg)
     torch.manual_seed(0)
@@ -222,7 +225,8 @@ def run(cfg: DictConfig) -> None:
         "rows": rows, "bars": BARS, "prompts": {**{f"{k}_test": len(v) for k, v in sets.items()}, "new_tokens": 64,
                                    "wikitext2_test_chunks": len(text)},
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-                    "device": str(pair.device), "dtype": str(pair.dtype), "loadavg": os.getloadavg()},
+                    "device": str(pair.device), "dtype": str(pair.dtype), "loadavg": os.getloadavg(),
+                    "loadavg_before": load_before, "name": machine()},
         "command": command("distill_metrics"),
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "seconds": time.time() - t0,
     }
