@@ -37,15 +37,17 @@ from pathlib import Path
 import numpy as np
 import torch
 from omegaconf import DictConfig
+from scipy.special import expit, logit
 from sklearn.decomposition import PCA
 from sklearn.ensemble import HistGradientBoostingClassifier
 from sklearn.metrics import roc_auc_score
 from tqdm import tqdm
 
 from bench import command, repo_path
-from data_gen.traces import _forward, _head
+from bench.extra_features import hidden_states
+from data_gen.traces import _head
 from eval.replay import load_greedy_traces
-from models.distributions import draft_probs
+from models.distributions import draft_probs, entropy
 from models.features import ContextIndex, continuation_starts
 from models.pair import load_pair
 from utils.cli import UserError, hydra_entry
@@ -70,16 +72,14 @@ def load(pair, folder: Path) -> dict:
     for a, b in tqdm(list(zip(first, ends)), desc=f"teacher-forced draft ({folder.name})", mininterval=5):
         prompt = [int(t) for t in cols["prompt_tokens"][a]]
         seq, p0 = prompt + ctx[a:b].tolist(), len(prompt) - 1
-        ids = torch.tensor([seq])
-        hidden = _forward(pair.draft, ids, torch.ones_like(ids), torch.arange(len(seq))[None])[0][p0 : p0 + b - a]
+        hidden = hidden_states(pair.draft, seq)[p0 : p0 + b - a]
         q = draft_probs(_head(pair.draft, hidden, pair.vocab_size)).float()
-        top = q.topk(TOPK, -1)
-        entropy = -(q.clamp_min(1e-12).log() * q).sum(-1)
+        top, ent = q.topk(TOPK, -1), entropy(q)  # the entropy the node heads read (DraftStep's)
         index, node, copy, y = ContextIndex(prompt), [], [], []
         for r in range(b - a):
             probs, toks = top.values[r].numpy(), top.indices[r].tolist()
             for k in range(WIDTH):
-                node.append([k + 1, probs[k], float(entropy[r]), *probs])
+                node.append([k + 1, probs[k], float(ent[r]), *probs])
                 copy.append(index.copy_features(toks[k]))
                 y.append(toks[k] == int(ctx[a + r]))
             index.push(int(ctx[a + r]))
@@ -116,11 +116,10 @@ def path_map(folder: Path, prompts: int) -> list[dict]:
     par = parent_rows(cols)
     y = cols["on_path"].astype(bool)
     cond = parent_on_path_rows(par, y)
-    q = np.clip(cols["q_token"].astype(np.float64), 1e-9, 1 - 1e-9)
-    logit_q = np.log(q) - np.log1p(-q)
+    logit_q = logit(np.clip(cols["q_token"].astype(np.float64), 1e-9, 1 - 1e-9))
     out = []
     for beta in BETAS:
-        s = 1 / (1 + np.exp(-(logit_q + np.where(cond, beta * (2 * y - 1), 0.0))))
+        s = expit(logit_q + np.where(cond, beta * (2 * y - 1), 0.0))
         out.append({"beta": beta, "auroc_cond": float(roc_auc_score(y[cond], s[cond])),
                     "auroc_path": float(roc_auc_score(y, compose_path(s, par, "product")))})
     return out
