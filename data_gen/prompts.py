@@ -30,6 +30,15 @@ MBPP_SCHEMES = {
     "official": {"prompt": (1, 10), "test": (11, 510), "validation": (511, 600), "train": (601, 974)},
     "heads": {"prompt": (1, 10), "test": (11, 510), "train": (511, 570), "validation": (571, 600), "distill": (601, 974)},
 }
+# Spec-Bench split schemes (none official): split per sha256("specbench:<question_id>") mod 10 bucket. `plain`:
+# 0-5 train, 6-7 validation, 8-9 test. `heads` (the default, conf/dataset/specbench.yaml): the shipped draft was
+# distilled on the target's answers to every `plain` train question (train.distill_prompts), where it agrees with
+# the target more than on unseen questions of the same task, so those become `distill` and the heads' train and
+# validation splits share the unseen buckets 6 and 7. Test is the same in both.
+SPECBENCH_SCHEMES = {
+    "plain": ["train"] * 6 + ["validation"] * 2 + ["test"] * 2,
+    "heads": ["distill"] * 6 + ["train", "validation"] + ["test"] * 2,
+}
 MT_BENCH_CATEGORIES = ["writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"]
 SPEC_BENCH_TASKS = ["translation", "summarization", "qa", "math_reasoning", "rag"]
 
@@ -88,8 +97,13 @@ def load_humaneval(cfg: DictConfig) -> list[Prompt]:
 def load_specbench(cfg: DictConfig) -> list[Prompt]:
     """Spec-Bench's 480 questions, first turn as prompt. `category`: all, mt_bench, a task, or an MT-Bench category.
 
-    Splits (none official): sha256("specbench:<question_id>") mod 10 → 0-5 train, 6-7 validation, 8-9 test.
+    Splits by `cfg.splits` (SPECBENCH_SCHEMES; a config without the key predates the schemes and reads `plain`).
     """
+    scheme = str(cfg.get("splits", "plain"))
+    if scheme not in SPECBENCH_SCHEMES:
+        raise UserError(f"dataset.splits={scheme} is not a Spec-Bench split scheme; "
+                        f"use one of: {', '.join(SPECBENCH_SCHEMES)}")
+    buckets = SPECBENCH_SCHEMES[scheme]
     category = str(cfg.get("category", "all"))
     known = ["all", "mt_bench"] + SPEC_BENCH_TASKS + MT_BENCH_CATEGORIES
     if category not in known:
@@ -104,7 +118,7 @@ def load_specbench(cfg: DictConfig) -> list[Prompt]:
         qid = row["question_id"]
         ref = row.get("reference")
         reference = ref[0] if isinstance(ref, list) and ref else None
-        split = _hash_split(f"specbench:{qid}", 6, 2)
+        split = buckets[_hash_bucket(f"specbench:{qid}")]
         task = "mt_bench" if cat in MT_BENCH_CATEGORIES else cat  # the six columns of SVIP's Table 1
         out.append(Prompt(f"specbench-{qid}", split, row["turns"][0], reference, {"category": cat, "task": task}))
     return out

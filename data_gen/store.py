@@ -47,7 +47,8 @@ def _fmt(x) -> str:
 
 
 def folder_name(cfg: DictConfig, split: str) -> str:
-    """`<pair>--<dataset>--<kind>-t<T>-p<top_p>-n<max_new>-s<seed>[-h]--<split>[-lim<N>]` (readable, no hash)."""
+    """`<pair>--<dataset>--<kind>-t<T>-p<top_p>-n<max_new>-s<seed>[-h]--<split>[-pt<N>][-lim<N>]` (readable, no
+    hash; -pt: the dataset's per_task_limit)."""
     t = cfg.trace
     dataset = str(cfg.dataset.name)
     if cfg.dataset.get("category") not in (None, "all") and dataset == str(cfg.dataset.get("loader")):
@@ -61,7 +62,9 @@ def folder_name(cfg: DictConfig, split: str) -> str:
         decoding += f"-w{int(t.get('tree_topk', 4))}-d{int(t.get('tree_depth', 5))}"
         decoding += f"-st{int(t.get('stride', 1))}" if int(t.get("stride", 1)) != 1 else ""
     limit = cfg.get("limit")
-    tail = f"-lim{int(limit)}" if limit is not None and int(limit) >= 0 else ""
+    per_task = cfg.dataset.get("per_task_limit")
+    tail = f"-pt{int(per_task)}" if per_task is not None else ""
+    tail += f"-lim{int(limit)}" if limit is not None and int(limit) >= 0 else ""
     return f"{cfg.pair.name}--{dataset}--{decoding}--{split}{tail}"
 
 

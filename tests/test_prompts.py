@@ -53,9 +53,26 @@ def test_specbench_480_and_categories():
     assert all(v == 10 for v in Counter(p.meta["category"] for p in mt).values())
     assert len(load_prompts(ds("specbench", category="summarization"))) == 80
     # hash splits are disjoint and deterministic
-    ids = {s: {p.prompt_id for p in load_prompts(ds("specbench"), s)} for s in ("train", "validation", "test")}
+    plain = ds("specbench", splits="plain")
+    ids = {s: {p.prompt_id for p in load_prompts(plain, s)} for s in ("train", "validation", "test")}
     assert not (ids["train"] & ids["test"]) and not (ids["validation"] & ids["test"])
     assert sum(map(len, ids.values())) == 480
+
+
+def test_specbench_heads_scheme_keeps_the_distilled_questions_out():
+    """The default scheme: the draft's distillation questions (train.distill_prompts reads the `distill` split) are
+    the `plain` scheme's train; the heads' train and validation are the plain validation questions; test is the same."""
+    from train.distill_prompts import specbench_prompts
+
+    plain = {p.prompt_id: p.split for p in load_prompts(ds("specbench", splits="plain"))}
+    heads = {p.prompt_id: p.split for p in load_prompts(ds("specbench"))}
+    assert Counter(heads.values()) == {"distill": 281, "train": 44, "validation": 54, "test": 101}
+    assert {i for i, s in heads.items() if s == "distill"} == {i for i, s in plain.items() if s == "train"}
+    assert {p.prompt_id for p in specbench_prompts()} == {i for i, s in plain.items() if s == "train"}
+    assert {plain[i] for i, s in heads.items() if s in ("train", "validation")} == {"validation"}
+    assert [i for i, s in heads.items() if s == "test"] == [i for i, s in plain.items() if s == "test"]
+    with pytest.raises(UserError, match="split scheme"):
+        load_prompts(ds("specbench", splits="random"))
 
 
 def test_wikitext2_prefixes_have_references_and_disjoint_splits():

@@ -99,6 +99,9 @@ def test_config_hash_ignores_what_never_changes_rows(tmp_path):
     assert store.trace_folder(make_cfg(tmp_path, "trace=interleaved"), "test").name == (
         "tiny_random--mbpp--interleaved-t0-p1-n8-s0-h--test"
     )
+    # per_task_limit picks other prompts: its own folder, not a refusal at the first run's folder
+    assert store.trace_folder(make_cfg(tmp_path, "dataset=specbench", "+dataset.per_task_limit=8", "limit=3"),
+                              "train").name == "tiny_random--specbench--target_ar-t0-p1-n8-s0--train-pt8-lim3"
     assert store.code_version()
 
 

@@ -130,13 +130,17 @@ def teacher_text(pair: Pair, texts: list[str], topk: int, chunk_tokens: int, des
     return out
 
 
-def dataset_prompts(pair: Pair, dataset: str, split: str, limit, chat: bool | None = None):
-    """(prompts, rendered texts) of a dataset split; a test split is refused (distillation data never sees one)."""
+def dataset_prompts(pair: Pair, dataset: str, split: str, limit, chat: bool | None = None, splits: str | None = None):
+    """(prompts, rendered texts) of a dataset split; a test split is refused (distillation data never sees one).
+    `splits` picks another split scheme of the dataset (MBPP, Spec-Bench), e.g. the one a recipe was written with."""
     from data_gen.prompts import load_prompts, render
 
     if split == "test":
-        raise UserError(f"distillation data must not use a test split (dataset {dataset}); use train or validation")
+        raise UserError(f"distillation data must not use a test split (dataset {dataset}); "
+                        "use train, validation or distill")
     dcfg = OmegaConf.load(check_name("dataset", dataset))
+    if splits is not None:
+        dcfg.splits = splits
     prompts = load_prompts(dcfg, split, None if limit is None else int(limit))
     use_chat = pair.chat_template if chat is None else chat
     return prompts, [render(p, pair.tokenizer, use_chat) for p in prompts]
@@ -171,7 +175,7 @@ def build_data(pair: Pair, cfg: DictConfig) -> tuple[list[dict], list[dict], lis
         topk = int(made["topk"])  # the text below must match it: a batch holds one top-k width
     for src in ([] if d.get("responses") else d.sources):
         key = cache_key(base, OmegaConf.to_container(src), d.max_new_tokens, d.temperature, d.topk, d.max_len, cfg.seed)
-        _, texts = dataset_prompts(pair, src.dataset, src.split, src.get("limit"))
+        _, texts = dataset_prompts(pair, src.dataset, src.split, src.get("limit"), splits=src.get("splits"))
         train += cached(root / f"gen-{src.dataset}-{src.split}-{key}.pt", lambda: generate_continuations(
             pair, texts, int(d.max_new_tokens), int(d.gen_batch_size), float(d.temperature), int(d.topk),
             int(d.max_len), int(cfg.seed), f"target continuations {src.dataset}/{src.split}"))
@@ -185,7 +189,7 @@ def build_data(pair: Pair, cfg: DictConfig) -> tuple[list[dict], list[dict], lis
     heldout = []
     for src in d.heldout:
         key = cache_key(base, OmegaConf.to_container(src), 64, d.max_len)
-        _, texts = dataset_prompts(pair, src.dataset, src.split, src.get("limit"))
+        _, texts = dataset_prompts(pair, src.dataset, src.split, src.get("limit"), splits=src.get("splits"))
         heldout += cached(root / f"heldout-{src.dataset}-{src.split}-{key}.pt", lambda: generate_continuations(
             pair, texts, 64, int(d.gen_batch_size), 0.0, 1, int(d.max_len), int(cfg.seed), "held-out continuations"))
     prompts, _ = dataset_prompts(pair, "wikitext2", "validation", int(d.heldout_text_chunks))

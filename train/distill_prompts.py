@@ -4,7 +4,7 @@ Each builder returns `DistillPrompt(prompt_id, source, text)` in a fixed order; 
 sources and their licences. Built prompts wrap train-side material in the instructions the benchmarks ask for
 (Spec-Bench's "Summarize:", "Translate German to English:", passage questions; MBPP-style and plain code tasks;
 explanations of standard-library code). `self_instruct` prompts are written by the target itself from train-split
-seed tasks (Self-Instruct, Wang et al. 2023): Spec-Bench's train side is 281 questions, too few to cover chat, QA and
+seed tasks (Self-Instruct, Wang et al. 2023): Spec-Bench's distill split is 281 questions, too few to cover chat, QA and
 math. Every prompt sharing a word 8-gram with a test prompt (MBPP test, HumanEval, Spec-Bench test, WikiText-2 test)
 is dropped (`TestGuard`), so no test prompt leaks into the draft.
 """
@@ -131,8 +131,8 @@ def scan_stdlib(lib: Path, max_lines: int = 24) -> list[DistillPrompt]:
 
 
 def specbench_prompts() -> list[DistillPrompt]:
-    """Spec-Bench's train split (first turns), as decode sees them."""
-    return [DistillPrompt(p.prompt_id, "specbench", p.text) for p in load_prompts(_dataset("specbench"), "train")]
+    """Spec-Bench's distill split (first turns; buckets 0-5, the `plain` scheme's train), as decode sees them."""
+    return [DistillPrompt(p.prompt_id, "specbench", p.text) for p in load_prompts(_dataset("specbench"), "distill")]
 
 
 WIKI_TEMPLATES = (
@@ -180,9 +180,9 @@ def wikitext_prompts(per_paragraph: int = 2) -> list[DistillPrompt]:
 
 
 def self_instruct_seeds() -> dict[str, list[str]]:
-    """Seed tasks per kind: Spec-Bench train questions by category (MBPP distill tasks join `coding`)."""
+    """Seed tasks per kind: Spec-Bench distill-split questions by category (MBPP distill tasks join `coding`)."""
     seeds: dict[str, list[str]] = {k: [] for k in SELF_INSTRUCT_KINDS}
-    for p in load_prompts(_dataset("specbench"), "train"):
+    for p in load_prompts(_dataset("specbench"), "distill"):
         cat = p.meta["category"]
         if cat in seeds and len(p.text) < 1500:
             seeds[cat].append(p.text)

@@ -53,7 +53,8 @@ def count_tokens(pair, cfg: DictConfig) -> tuple[Counter, list[dict]]:
         sources.append({"kind": "distill_responses", "folder": str(cfg.responses), "sequences": len(items), "tokens": n})
     g = cfg.generate
     for src in g.sources:
-        prompts, texts = dataset_prompts(pair, src.dataset, src.split, src.get("limit"))  # never a test split
+        # never a test split (dataset_prompts refuses one)
+        prompts, texts = dataset_prompts(pair, src.dataset, src.split, src.get("limit"), splits=src.get("splits"))
         key = cache_key(pair.pair_id, pair.tokenizer_hash, str(pair.dtype), src.dataset, src.split, src.get("limit"),
                         int(g.max_new_tokens), int(cfg.seed))
         items = cached(cache_root(pair.cfg) / "vocab_subset" / f"gen-{src.dataset}-{src.split}-{key}.pt",
@@ -69,7 +70,7 @@ def count_tokens(pair, cfg: DictConfig) -> tuple[Counter, list[dict]]:
                         "tokens": n})
     for src in cfg.text:
         n = 0
-        for p in dataset_prompts(pair, src.dataset, src.split, src.get("limit"))[0]:
+        for p in dataset_prompts(pair, src.dataset, src.split, src.get("limit"), splits=src.get("splits"))[0]:
             for text in [p.text, *_strings(p.reference)]:
                 ids = pair.tokenizer(text, add_special_tokens=False)["input_ids"]
                 counts.update(ids)
