@@ -202,7 +202,11 @@ def _interp(x, xs, ys):
 
 def profile_key(pair, settings: DictConfig) -> dict:
     """What the profile depends on: the same key reuses the cached measurement."""
+    from models.lm_head import INT8_FLOAT_ROWS
+
     draft = OmegaConf.to_container(pair.cfg.draft, resolve=True) if isinstance(pair.cfg, DictConfig) else {}
+    if draft.get("quantize") == "int8":  # where an int8 draft's products switch kernels changes its many-row calls
+        draft["int8_float_rows"] = INT8_FLOAT_ROWS
     return {"pair": pair.pair_id, "draft": draft, "dtype": str(pair.dtype).replace("torch.", ""),
             "linear": getattr(pair, "linear", "torch"), "forward": getattr(pair, "forwards", {}),
             "device": str(pair.device), "threads": torch.get_num_threads(), "torch": torch.__version__,

@@ -115,9 +115,22 @@ def pack_linears(model: torch.nn.Module, min_elements: int = MIN_PACKED) -> int:
     return n
 
 
+# Rows from which an Int8Linear multiplies by a bf16 copy of its dequantized weight (oneDNN, packed once) instead of
+# torch's int8 kernel. The kernel streams half the bytes, which wins for the one-row steps int8 is for, but it is no
+# GEMM: at the default draft's shapes it takes ~2x the bf16 product's time at 8 rows and ~2.7x at 64 and more (a
+# prompt's prefill, a token tree's level, a teacher-forced trace pass). In the loop's own calls, where the weights
+# come from memory rather than cache, the bf16 copy wins from 5 rows: the draft's prefill 1.9x faster, a level of
+# 6-12 nodes 1.6-2.0 draft steps instead of 2.2-2.9 (results/bench/int8_rows.md, python -m bench.int8_rows).
+INT8_FLOAT_ROWS = 5
+
+
 class Int8Linear(torch.nn.Module):
     """A Linear with int8 weights and a per-output-row scale (symmetric, max-abs): y = x·(s ⊙ W_int8)ᵀ + b, through
-    `aten._weight_int8pack_mm`, which reads the int8 weight directly. Inference only (buffers, no parameters)."""
+    `aten._weight_int8pack_mm`, which reads the int8 weight directly. Inference only (buffers, no parameters).
+
+    A bf16 CPU call of at least `INT8_FLOAT_ROWS` rows multiplies by bf16(s ⊙ W_int8) instead (made on first use, not
+    saved): the same weights up to that one rounding, so a many-row pass and one-row steps of the same draft agree
+    to bf16 resolution, as a K-row verification and K one-row steps of any bf16 model do."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
@@ -147,10 +160,40 @@ class Int8Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).contiguous()
-        y = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scale.to(x.dtype))
+        if flat.shape[0] >= INT8_FLOAT_ROWS and flat.dtype == torch.bfloat16 and flat.device.type == "cpu":
+            y = self._float_copy(flat.dtype)(flat)
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scale.to(x.dtype))
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _float_copy(self, dtype: torch.dtype) -> torch.nn.Module:
+        """The dequantized weight as a bias-free linear of `dtype`, packed for oneDNN where it can pack it; cached
+        (a plain attribute, so not in the state_dict) until qweight or scale is replaced."""
+        key = (dtype, id(self.qweight), id(self.scale))
+        cached = self.__dict__.get("_float")
+        if cached is None or cached[0] != key:
+            w = torch.nn.Parameter((self.qweight.float() * self.scale.float()[:, None]).to(dtype), requires_grad=False)
+            usable = packed_available() and (dtype != torch.bfloat16 or packed_bf16_available())
+            lin = PackedLinear(w) if usable else _Plain(w)
+            self.__dict__["_float"] = cached = (key, lin)
+        return cached[1]
+
+    def __getstate__(self):
+        # the packed copy is an opaque oneDNN tensor (see PackedLinear); a deepcopy rebuilds it on first use
+        return {k: v for k, v in self.__dict__.items() if k != "_float"}
+
+
+class _Plain(torch.nn.Module):
+    """F.linear on a fixed weight (Int8Linear's float copy where oneDNN cannot pack it)."""
+
+    def __init__(self, weight: torch.nn.Parameter):
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight)
 
 
 def int8_kernel_is_fast(dtype: torch.dtype, device: torch.device) -> bool:

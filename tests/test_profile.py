@@ -370,6 +370,28 @@ def test_int8_linear_is_the_dequantized_product(dtype):
     assert float((deq - lin.weight.float()).abs().max()) <= float(q.scale.float().max()) * 0.51
 
 
+def test_int8_linear_switches_to_a_bf16_copy_for_many_rows(monkeypatch):
+    """From INT8_FLOAT_ROWS rows a bf16 CPU call multiplies by the dequantized weight rounded to bf16 (torch's int8
+    kernel is no GEMM: a prefill or a tree level ran ~2x slower through it), below that by the int8 kernel; both agree
+    to bf16 resolution, and the copy is neither saved nor carried through a deepcopy."""
+    import models.lm_head as lm_head
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(576, 96, bias=True).to(torch.bfloat16)
+    q = lm_head.Int8Linear(lin.weight, lin.bias)
+    n = lm_head.INT8_FLOAT_ROWS
+    x = torch.randn(n, 576, dtype=torch.bfloat16)
+    kernel = torch.ops.aten._weight_int8pack_mm(x, q.qweight, q.scale) + lin.bias.detach()
+    deq = (q.qweight.float() * q.scale.float()[:, None]).to(torch.bfloat16)
+    assert torch.equal(q(x), torch.nn.functional.linear(x, deq) + lin.bias.detach())  # the copy, not the kernel
+    assert torch.equal(q(x[: n - 1]), kernel[: n - 1])  # below the switch: the int8 kernel, bit for bit
+    torch.testing.assert_close(q(x), kernel, atol=0.05, rtol=0.02)
+    assert "_float" in q.__dict__ and not any("float" in k for k in q.state_dict())
+    assert "_float" not in copy.deepcopy(q).__dict__
+    monkeypatch.setattr(lm_head, "INT8_FLOAT_ROWS", 1 << 30)
+    assert torch.equal(q(x), kernel)
+
+
 def test_int8_draft_is_lossless_greedy(tiny_pair):
     assert_greedy_lossless(int8_pair(tiny_pair))  # target-only runs the same (unquantized) target
 
