@@ -20,6 +20,42 @@ def repo_path(path) -> Path:
     return p if p.is_absolute() else REPO / p
 
 
+def interleaved_median_us(fns: dict, repeats: int, warmup: int) -> dict:
+    """Median µs per call of each zero-argument function in `fns`: `warmup` untimed calls of each first, then
+    `repeats` rounds timing each once in turn, so a shared machine's drift hits them alike."""
+    import statistics
+    import time
+
+    for f in fns.values():
+        for _ in range(warmup):
+            f()
+    ts = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, f in fns.items():
+            t = time.perf_counter()
+            f()
+            ts[k].append(1e6 * (time.perf_counter() - t))
+    return {k: statistics.median(v) for k, v in ts.items()}
+
+
+def write_per_machine(out_dir, name: str, entry: dict, markdown, keep=None) -> None:
+    """Merge `entry` into <out_dir>/<name>.json, which holds one entry per machine (keyed by entry["machine"]; an
+    older entry stays where `keep(entry)` is true, all when `keep` is None), then write <name>.md as
+    `markdown(all entries)` gives its lines, and print them."""
+    import json
+
+    out = repo_path(out_dir)
+    path = out / f"{name}.json"
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    data = {k: v for k, v in data.items() if keep is None or keep(v)}
+    data[entry["machine"]] = entry
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1))
+    lines = markdown(data)
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def command(script: str) -> str:
     """The command line that made a bench result (`python -m bench.<script> <overrides>`), recorded in its json and md."""
     from utils.cli import command as stage_command

@@ -12,14 +12,12 @@ Writes results/bench/head_gemm.json (one entry per machine) and head_gemm.md.
 
 from __future__ import annotations
 
-import json
-import statistics
 import time
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from bench import repo_path
+from bench import interleaved_median_us, write_per_machine
 from models.cost import DEFAULTS, machine, measure
 from models.lm_head import PackedLinear
 from utils.cli import hydra_entry
@@ -38,16 +36,7 @@ def product_times(dtype: torch.dtype, repeats: int, shape) -> dict:
     out = {}
     for n in ROWS:
         x = torch.randn(1, n, shape[1], dtype=dtype)  # no grad anywhere: the packed path, as in decoding
-        ts = {k: [] for k in fns}
-        for f in fns.values():
-            for _ in range(3):
-                f(x)
-        for _ in range(repeats):
-            for k, f in fns.items():
-                t = time.perf_counter()
-                f(x)
-                ts[k].append(1e6 * (time.perf_counter() - t))
-        out[str(n)] = {k: statistics.median(v) for k, v in ts.items()}
+        out[str(n)] = interleaved_median_us({k: (lambda f=f: f(x)) for k, f in fns.items()}, repeats, warmup=3)
     return out
 
 
@@ -98,16 +87,8 @@ def run(cfg: DictConfig) -> None:
                                                               for name, shape in SHAPES.items()}
                              for d in (torch.float32, torch.bfloat16)},
              "target_curve": curves(cfg.pair, max(cfg.repeats // 2, 10))}
-    out = repo_path(cfg.out_dir)
-    path = out / "head_gemm.json"
-    data = json.loads(path.read_text()) if path.is_file() else {}
-    data = {k: v for k, v in data.items() if "products_us" in v}  # entries of the older format (W @ hᵀ) are dropped
-    data[entry["machine"]] = entry
-    out.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=1))
-    lines = markdown(data)
-    (out / "head_gemm.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    # entries of the older format (W @ hᵀ) are dropped
+    write_per_machine(cfg.out_dir, "head_gemm", entry, markdown, keep=lambda e: "products_us" in e)
 
 
 if __name__ == "__main__":

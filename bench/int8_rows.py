@@ -14,15 +14,13 @@ keeps float weights (models.lm_head.int8_kernel_is_fast) and the script says so.
 
 from __future__ import annotations
 
-import json
-import statistics
 import time
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 import models.lm_head as lm_head
-from bench import command, repo_path
+from bench import command, interleaved_median_us, write_per_machine
 from models.cost import DEFAULTS, machine, measure
 from utils.cli import UserError, hydra_entry
 
@@ -40,15 +38,7 @@ def product_times(shape, rows, repeats: int) -> dict:
     out = {}
     for n in rows:
         x = torch.randn(n, shape[1], dtype=torch.bfloat16)
-        ts = {k: [] for k in fns}
-        for f in fns.values():
-            f(x)
-        for _ in range(repeats):
-            for k, f in fns.items():
-                t = time.perf_counter()
-                f(x)
-                ts[k].append(1e6 * (time.perf_counter() - t))
-        out[str(n)] = {k: statistics.median(v) for k, v in ts.items()}
+        out[str(n)] = interleaved_median_us({k: (lambda f=f: f(x)) for k, f in fns.items()}, repeats, warmup=1)
     return out
 
 
@@ -110,15 +100,7 @@ def run(cfg: DictConfig) -> None:
     pair_cfg = OmegaConf.merge(cfg.pair, {"dtype": "bfloat16"})
     entry["profile_threads"] = torch.get_num_threads()
     entry["profile"] = profiles(pair_cfg, int(cfg.profile_repeats))
-    out = repo_path(cfg.out_dir)
-    path = out / "int8_rows.json"
-    data = json.loads(path.read_text()) if path.is_file() else {}
-    data[entry["machine"]] = entry
-    out.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=1))
-    lines = markdown(data)
-    (out / "int8_rows.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_per_machine(cfg.out_dir, "int8_rows", entry, markdown)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
 
-from bench import repo_path
+from bench import interleaved_median_us, repo_path
 from models.cost import machine
 from models.lm import LM
 from models.pair import load_pair
@@ -39,16 +39,7 @@ CONTEXTS, QUERIES = (64, 128, 256, 512), (1, 2, 3, 5, 9)
 
 def timed(fns: dict, repeats: int) -> dict:
     """Median µs per call of each function, interleaved so a shared machine's drift hits them alike."""
-    for f in fns.values():
-        for _ in range(5):
-            f()
-    ts = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, f in fns.items():
-            t = time.perf_counter()
-            f()
-            ts[k].append(1e6 * (time.perf_counter() - t))
-    return {k: round(statistics.median(v), 1) for k, v in ts.items()}
+    return {k: round(v, 1) for k, v in interleaved_median_us(fns, repeats, warmup=5).items()}
 
 
 def argmax_times(repeats: int) -> dict:

@@ -29,7 +29,9 @@ stays lossless in greedy and sampling because the target still scores the whole 
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -168,7 +170,7 @@ class Int8Linear(torch.nn.Module):
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
 
-    def _float_copy(self, dtype: torch.dtype) -> torch.nn.Module:
+    def _float_copy(self, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
         """The dequantized weight as a bias-free linear of `dtype`, packed for oneDNN where it can pack it; cached
         (a plain attribute, so not in the state_dict) until qweight or scale is replaced."""
         key = (dtype, id(self.qweight), id(self.scale))
@@ -176,7 +178,7 @@ class Int8Linear(torch.nn.Module):
         if cached is None or cached[0] != key:
             w = torch.nn.Parameter((self.qweight.float() * self.scale.float()[:, None]).to(dtype), requires_grad=False)
             usable = packed_available() and (dtype != torch.bfloat16 or packed_bf16_available())
-            lin = PackedLinear(w) if usable else _Plain(w)
+            lin = PackedLinear(w) if usable else functools.partial(torch.nn.functional.linear, weight=w)
             self.__dict__["_float"] = cached = (key, lin)
         return cached[1]
 
@@ -184,16 +186,6 @@ class Int8Linear(torch.nn.Module):
         # the packed copy is an opaque oneDNN tensor (see PackedLinear); a deepcopy rebuilds it on first use
         return {k: v for k, v in self.__dict__.items() if k != "_float"}
 
-
-class _Plain(torch.nn.Module):
-    """F.linear on a fixed weight (Int8Linear's float copy where oneDNN cannot pack it)."""
-
-    def __init__(self, weight: torch.nn.Parameter):
-        super().__init__()
-        self.weight = weight
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(x, self.weight)
 
 
 def int8_kernel_is_fast(dtype: torch.dtype, device: torch.device) -> bool:
