@@ -154,9 +154,10 @@ def measure_rows(cfg: DictConfig, pcfg: DictConfig, pair, sets, text, cost_ids) 
         layers = info["layers"] if info else list(pcfg.draft.get("layers", [0, 1, 2, 3]))
         rows[f"layer_subset{layers}"] = measure(layer_subset(pair.target, layers), pair, sets, text, cost_ids)
     if cfg.quantize:  # last: it quantizes the draft in place (what load_pair does for pair.draft.quantize=int8)
-        from models.lm_head import quantize_linears
+        from models.lm_head import int8_float_rows, quantize_linears
 
-        quantize_linears(pair.draft, keep={id(p) for p in pair.target.parameters()})
+        quantize_linears(pair.draft, keep={id(p) for p in pair.target.parameters()},
+                         float_rows=int8_float_rows(pcfg.draft))
         rows["quantize=int8"] = measure(pair.draft, pair, sets, text, cost_ids)
     return rows
 

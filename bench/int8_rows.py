@@ -1,4 +1,4 @@
-"""Where the int8 draft's products should leave torch's int8 kernel (models.lm_head.INT8_FLOAT_ROWS).
+"""Where the int8 draft's products should leave torch's int8 kernel (`pair.draft.int8_float_rows`).
 
     python -m bench.int8_rows [threads=[1,2]] [repeats=20] [out_dir=results/bench]
 
@@ -6,7 +6,7 @@
    8,192-row FR-Spec head) for n rows: `aten._weight_int8pack_mm` (what Int8Linear runs below the switch) against
    a bf16 copy of the dequantized weight through oneDNN, packed once (what it runs from the switch on), bf16
    activations, median µs, interleaved.
-2. The pair's cost profile (models.cost.measure, the loop's own calls) with the switch off and at INT8_FLOAT_ROWS:
+2. The pair's cost profile (models.cost.measure, the loop's own calls) with the switch off and at the pair's own:
    draft step, a token tree's draft level of n nodes ÷ draft step, and the draft's prefill.
 Writes results/bench/int8_rows.json (one entry per machine) and int8_rows.md. bf16 CPUs only: elsewhere the draft
 keeps float weights (models.lm_head.int8_kernel_is_fast) and the script says so.
@@ -43,20 +43,18 @@ def product_times(shape, rows, repeats: int) -> dict:
 
 
 def profiles(pair_cfg: DictConfig, repeats: int) -> dict:
-    """The pair's draft costs with the switch off (every call through the int8 kernel) and at INT8_FLOAT_ROWS."""
+    """The pair's draft costs with the switch off (`draft.int8_float_rows=null`: every call through the int8 kernel)
+    and at the pair's own switch."""
     from models.pair import load_pair
 
     settings = OmegaConf.merge(DEFAULTS, {"repeats": repeats, "refresh": True})
-    switch, out = lm_head.INT8_FLOAT_ROWS, {}
-    try:
-        for label, rows in (("int8 kernel only", 1 << 30), (f"bf16 copy from {switch} rows", switch)):
-            lm_head.INT8_FLOAT_ROWS = rows
-            prof = measure(load_pair(pair_cfg), settings, progress=False)
-            out[label] = {"draft_ms": prof.draft_ms[0], "target_ms": prof.target_ms[0], "cost_ratio": prof.cost_ratio,
-                          "level_ratio": [t / prof.draft_ms[0] for t in prof.draft_level_ms or []],
-                          "prefill_lengths": prof.prefill_lengths, "prefill_draft_ms": prof.prefill_draft_ms}
-    finally:
-        lm_head.INT8_FLOAT_ROWS = switch
+    switch, out = lm_head.int8_float_rows(pair_cfg.draft), {}
+    for label, rows in (("int8 kernel only", None), (f"bf16 copy from {switch} rows", switch)):
+        prof = measure(load_pair(OmegaConf.merge(pair_cfg, {"draft": {"int8_float_rows": rows}})), settings,
+                       progress=False)
+        out[label] = {"draft_ms": prof.draft_ms[0], "target_ms": prof.target_ms[0], "cost_ratio": prof.cost_ratio,
+                      "level_ratio": [t / prof.draft_ms[0] for t in prof.draft_level_ms or []],
+                      "prefill_lengths": prof.prefill_lengths, "prefill_draft_ms": prof.prefill_draft_ms}
     return out
 
 
@@ -91,8 +89,8 @@ def run(cfg: DictConfig) -> None:
                         "(the default draft keeps float weights here: models.lm_head.int8_kernel_is_fast)")
     rows = [int(n) for n in cfg.rows]
     entry = {"machine": machine(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-             "command": command("int8_rows"), "switch": lm_head.INT8_FLOAT_ROWS, "rows": rows, "repeats": cfg.repeats,
-             "products_us": {}}
+             "command": command("int8_rows"), "switch": lm_head.int8_float_rows(cfg.pair.draft), "rows": rows,
+             "repeats": cfg.repeats, "products_us": {}}
     for threads in cfg.threads:
         torch.set_num_threads(int(threads))
         entry["products_us"][str(threads)] = {name: product_times(shape, rows, int(cfg.repeats))

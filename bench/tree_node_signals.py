@@ -1,4 +1,5 @@
-"""Would the draft's hidden state, or more training prompts, lift a node head past the joint probability (issue 30)?
+"""Would the draft's or the target's hidden state, or more training prompts, lift a node head past the joint
+probability (issue 30)?
 
     python -m bench.tree_node_signals [out_dir=results/trees]
 
@@ -7,7 +8,8 @@ leads by 0.010 (0.971 vs 0.961), its conditional AUROC 0.968 against the node's 
 is the product of its conditional P(accepted | parent accepted) along the root path, so a lead on the path label
 can only come from a lead on the conditional task. This probe measures the conditional task with the inputs the
 tree traces do not store: the draft's last hidden state at the parent (SPRINTER's feature, 576 floats a node, left
-out of the tree traces for size) and five times the training prompts.
+out of the tree traces for size), the target's last hidden state (what the last verification computed: EAGLE's
+feature) and five times the training prompts.
 
 The conditional population is rebuilt from the chain heads' MBPP traces (target-greedy continuations): at every
 position of the target's path the parent is on the path, and its children in a width-4 tree are the draft's top-4
@@ -16,7 +18,10 @@ tokens there (label: the child is the target's token), one teacher-forced draft 
   do not depend on depth);
 - `copy`: copy_len / lookup_hit / lookup_len of the token after the context (models.features.ContextIndex, the copy
   group of tree_node_plus);
-- `draft_hidden`: the parent's hidden state, 16 principal components fitted on the training rows.
+- `draft_hidden`: the parent's hidden state, 16 principal components fitted on the training rows;
+- `target_hidden`: the target's hidden state at the position before the parent (the one whose logits chose the
+  parent), 16 principal components. In a tree that is the newest state the target has computed for a child of the
+  root; deeper nodes would see older ones, so this is the probe's best case.
 Scored by a gradient-boosted probe (sklearn), trained on the heads' 60 MBPP train prompts and tested on the first
 250 test prompts; the `more data` rows add test prompts 251-500 to the training rows (a learning curve only: no
 head ships from them).
@@ -56,14 +61,17 @@ from utils.files import write_result
 WIDTH, TOPK, PCS, TEST_PROMPTS = 4, 10, 16, 250
 HEAD_KEYS = ("test/auroc_cond", "test/auroc_cond_q_token", "test/auroc_path", "test/auroc_path_joint")
 SETS = {"node": [], "+copy": ["copy"], "+draft_hidden": ["draft_hidden"],
-        "+copy +draft_hidden": ["copy", "draft_hidden"]}
+        "+copy +draft_hidden": ["copy", "draft_hidden"], "+copy +target_hidden": ["copy", "target_hidden"],
+        "+copy +draft_hidden +target_hidden": ["copy", "draft_hidden", "target_hidden"]}
+HIDDEN = ("draft_hidden", "target_hidden")
 MORE_DATA = ["+copy", "+copy +draft_hidden"]
 BETAS = [0.0, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5]
 
 
 @torch.no_grad()
 def load(pair, folder: Path) -> dict:
-    """Per prompt, the conditional node rows: (node features, copy features, parent hidden state, label)."""
+    """Per prompt, the conditional node rows: node features, copy features, the parent's draft hidden state, the
+    target's hidden state one position earlier, label."""
     cols, _ = load_greedy_traces(folder, ["prompt_tokens", "context_token", "position", "prompt_id"])
     first = np.flatnonzero(continuation_starts(cols))
     ends = np.append(first[1:], len(cols["position"]))
@@ -73,6 +81,7 @@ def load(pair, folder: Path) -> dict:
         prompt = [int(t) for t in cols["prompt_tokens"][a]]
         seq, p0 = prompt + ctx[a:b].tolist(), len(prompt) - 1
         hidden = hidden_states(pair.draft, seq)[p0 : p0 + b - a]
+        target_hidden = hidden_states(pair.target, seq)[p0 - 1 : p0 - 1 + b - a]
         q = draft_probs(_head(pair.draft, hidden, pair.vocab_size)).float()
         top, ent = q.topk(TOPK, -1), entropy(q)  # the entropy the node heads read (DraftStep's)
         index, node, copy, y = ContextIndex(prompt), [], [], []
@@ -83,9 +92,10 @@ def load(pair, folder: Path) -> dict:
                 copy.append(index.copy_features(toks[k]))
                 y.append(toks[k] == int(ctx[a + r]))
             index.push(int(ctx[a + r]))
-        h = np.repeat(hidden.float().numpy(), WIDTH, axis=0)
         prompts.append({"node": np.asarray(node, np.float32), "copy": np.asarray(copy, np.float32),
-                        "draft_hidden": h.astype(np.float32), "y": np.asarray(y, np.int64)})
+                        "draft_hidden": np.repeat(hidden.float().numpy(), WIDTH, axis=0),
+                        "target_hidden": np.repeat(target_hidden.float().numpy(), WIDTH, axis=0),
+                        "y": np.asarray(y, np.int64)})
     return prompts
 
 
@@ -93,9 +103,9 @@ def stack(prompts: list[dict]) -> dict:
     return {k: np.concatenate([p[k] for p in prompts]) for k in prompts[0]}
 
 
-def auroc(train: dict, test: dict, groups: list[str], pca: PCA) -> float:
+def auroc(train: dict, test: dict, groups: list[str], pca: dict[str, PCA]) -> float:
     def block(data):
-        parts = [data["node"]] + [pca.transform(data[g]) if g == "draft_hidden" else data[g] for g in groups]
+        parts = [data["node"]] + [pca[g].transform(data[g]) if g in pca else data[g] for g in groups]
         return np.concatenate(parts, 1)
 
     model = HistGradientBoostingClassifier(max_iter=300, learning_rate=0.05, random_state=0)
@@ -138,8 +148,8 @@ def run(cfg: DictConfig) -> None:
     train = stack(train_prompts)
     test, extra = stack(test_all[:TEST_PROMPTS]), stack(test_all[TEST_PROMPTS:])
     more = {k: np.concatenate([train[k], extra[k]]) for k in train}
-    pca = PCA(PCS, random_state=0).fit(train["draft_hidden"])
-    pca_more = PCA(PCS, random_state=0).fit(more["draft_hidden"])
+    pca = {g: PCA(PCS, random_state=0).fit(train[g]) for g in HIDDEN}
+    pca_more = {g: PCA(PCS, random_state=0).fit(more[g]) for g in HIDDEN}
     result_sets = {}
     for label, groups in SETS.items():
         result_sets[label] = auroc(train, test, groups, pca)
@@ -169,7 +179,9 @@ def run(cfg: DictConfig) -> None:
         more_cell = f"{more_data[label]:.4f}" if label in more_data else ""
         lines.append(f"| {label} | {result_sets[label]:.4f} | {more_cell} |")
     lines += ["", f"node = rank, q(token), the parent's entropy and top-{TOPK} probabilities; copy = copy_len, "
-              f"lookup_hit, lookup_len; draft_hidden = the parent's last hidden state as {PCS} principal components."]
+              f"lookup_hit, lookup_len; draft_hidden = the parent's last hidden state as {PCS} principal components; "
+              f"target_hidden = the target's hidden state at the position that chose the parent (the newest a "
+              f"child of the tree's root could read), {PCS} principal components."]
     lines += ["", f"Conditional lead → path AUROC (synthetic heads on the first {cfg.tree_prompts} prompts' trees of "
               f"{cfg.tree_traces}; beta = 0 is the joint, the bar asks path AUROC ≥ joint + 0.03):", "",
               "| beta | conditional AUROC | path AUROC | path − joint |", "|---|---|---|---|"]

@@ -81,6 +81,9 @@ def hash_payload(cfg: DictConfig) -> dict:
     # (models.lm.LM), which trace generation's teacher-forced passes through transformers' forward never make
     for key in ("device", "cache_dir", "linear", "forward"):
         pair.pop(key, None)
+    # the int8 draft's kernel switch (models.lm_head.Int8Linear) moves its many-row products by one bf16 rounding, as
+    # `linear` does: a kernel choice, not a data set, so folders made before the option existed keep their hash
+    (pair.get("draft") or {}).pop("int8_float_rows", None)
     from models.pair import draft_files
 
     files = draft_files(cfg.pair)

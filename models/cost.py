@@ -19,7 +19,13 @@ expected-value stop rule) reads this curve instead:
   as the chain's, the cost model overstated trees' speedups by 9-15% on a 2-core EPYC (results/tree_wall). Profiles
   measured before them lack both (None): their tree rounds are priced as chains.
 Each is the median of `repeats` timed calls after warm-up, through `models.lm.LM` (the loop's own code path), at
-a context of `context` tokens. Measured once per (pair, draft, dtype, linear, device, threads, torch, machine) and
+a context of `context` tokens; the three curves over n (`target_ms`, `target_tree_ms`, `draft_level_ms`) are then
+made non-decreasing by isotonic regression (`monotone`; the medians stay in `extra.raw_ms`). Why: on a 2-core EPYC
+VM a profile measured first thing in a fresh process (3 warm-up rounds, 15 repeats) put the target step 20% above
+the loop's own and a 10-token tree pass at 1.00× it; the tree builders grew trees of 6-7 nodes on it that lost 7% on
+the clock to the expected-value chain (2026-11-27 12:13). With 10 warm-up rounds, 25 repeats and monotone curves,
+two back-to-back profiles agreed within 0.07 on every ratio t(n)/t(1) up to n = 12, and t(1) within 2% of the
+loop's step. Measured once per (pair, draft, dtype, linear, device, threads, torch, machine) and
 cached under `<cache>/profiles/`; every decode run.json and trace manifest carries the profile it used. A profile
 measured while other processes kept the CPU busy (`extra.other_load_cores`, read from /proc/stat) is kept but named
 in one warning line whenever it is used: its ratios are a loaded machine's.
@@ -206,8 +212,8 @@ def profile_key(pair, settings: DictConfig) -> dict:
 
     draft = OmegaConf.to_container(pair.cfg.draft, resolve=True) if isinstance(pair.cfg, DictConfig) else {}
     if draft.get("quantize") == "int8":  # where an int8 draft's products switch kernels changes its many-row calls
-        draft["int8_float_rows"] = INT8_FLOAT_ROWS
-    return {"pair": pair.pair_id, "draft": draft, "dtype": str(pair.dtype).replace("torch.", ""),
+        draft.setdefault("int8_float_rows", INT8_FLOAT_ROWS)
+    return {"pair": pair.pair_id, "draft": draft, "dtype": str(pair.dtype).replace("torch.", ""), "fit": "monotone",
             "linear": getattr(pair, "linear", "torch"), "forward": getattr(pair, "forwards", {}),
             "device": str(pair.device), "threads": torch.get_num_threads(), "torch": torch.__version__,
             "machine": machine(), "max_n": int(settings.max_n), "context": int(settings.context),
@@ -245,6 +251,17 @@ def warn_if_loaded(prof: "CostProfile") -> None:
         print(f"warning: other processes kept {load:.1f} cores busy while this cost profile was measured "
               f"({prof.date}); its ratios may be distorted — remeasure on an idle machine with profile.refresh=true",
               flush=True)
+
+
+def monotone(ys: list[float]) -> list[float]:
+    """The non-decreasing curve nearest `ys` in least squares (isotonic regression, pool-adjacent-violators): a pass
+    over more tokens never costs less, so a point measured below an earlier one is noise and is pooled with it."""
+    from sklearn.isotonic import IsotonicRegression
+
+    if len(ys) < 2:
+        return [float(y) for y in ys]
+    fit = IsotonicRegression(increasing=True).fit_transform(np.arange(len(ys)), np.asarray(ys, dtype=float))
+    return [float(y) for y in fit]
 
 
 def _tree_probe(lm, cache, ids: list[int], c: int, n: int, pending: int):
@@ -328,12 +345,14 @@ def measure(pair, settings: DictConfig, progress: bool = True) -> CostProfile:
     pre_d = [ms[("prefill_draft", L)] for L in lengths]
     level_ms = [ms[("draft_level", n)] for n in range(1, levels + 1)] or None
     tree_ms = [ms[key] for key in sorted(k for k in ms if k[0] == "target_tree")] or None
-    return CostProfile(key=profile_key(pair, settings), draft_ms=draft_ms, target_ms=target_ms,
+    extra = {"raw_ms": {"target_ms": target_ms, "target_tree_ms": tree_ms, "draft_level_ms": level_ms}}
+    if load is not None:
+        extra["other_load_cores"] = round(load, 2)
+    return CostProfile(key=profile_key(pair, settings), draft_ms=draft_ms, target_ms=monotone(target_ms),
                        prefill_lengths=lengths, prefill_target_ms=pre_t, prefill_draft_ms=pre_d,
                        context=int(settings.context), repeats=repeats, draft_cold_ms=draft_cold,
-                       date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                       extra={} if load is None else {"other_load_cores": round(load, 2)},
-                       draft_level_ms=level_ms, target_tree_ms=tree_ms)
+                       date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), extra=extra,
+                       draft_level_ms=level_ms and monotone(level_ms), target_tree_ms=tree_ms and monotone(tree_ms))
 
 
 def cache_path(pair, key: dict) -> Path:

@@ -123,19 +123,35 @@ def pack_linears(model: torch.nn.Module, min_elements: int = MIN_PACKED) -> int:
 # prompt's prefill, a token tree's level, a teacher-forced trace pass). In the loop's own calls, where the weights
 # come from memory rather than cache, the bf16 copy wins from 5 rows: the draft's prefill 1.9x faster, a level of
 # 6-12 nodes 1.6-2.0 draft steps instead of 2.2-2.9 (results/bench/int8_rows.md, python -m bench.int8_rows).
+# The default of `pair.draft.int8_float_rows`; null there keeps every call on the int8 kernel (the A/B).
 INT8_FLOAT_ROWS = 5
+NEVER = 1 << 62  # float_rows that no call reaches
+
+
+def int8_float_rows(draft_cfg) -> int:
+    """`pair.draft.int8_float_rows` as an Int8Linear switch: a positive row count (absent: INT8_FLOAT_ROWS), null:
+    never (every call through the int8 kernel)."""
+    if "int8_float_rows" not in draft_cfg:
+        return INT8_FLOAT_ROWS
+    rows = draft_cfg.get("int8_float_rows")
+    if rows is None:
+        return NEVER
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+        raise UserError(f"draft.int8_float_rows must be a positive number of rows or null (never), got '{rows}'")
+    return rows
 
 
 class Int8Linear(torch.nn.Module):
     """A Linear with int8 weights and a per-output-row scale (symmetric, max-abs): y = x·(s ⊙ W_int8)ᵀ + b, through
     `aten._weight_int8pack_mm`, which reads the int8 weight directly. Inference only (buffers, no parameters).
 
-    A bf16 CPU call of at least `INT8_FLOAT_ROWS` rows multiplies by bf16(s ⊙ W_int8) instead (made on first use, not
+    A bf16 CPU call of at least `float_rows` rows multiplies by bf16(s ⊙ W_int8) instead (made on first use, not
     saved): the same weights up to that one rounding, so a many-row pass and one-row steps of the same draft agree
     to bf16 resolution, as a K-row verification and K one-row steps of any bf16 model do."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, float_rows: int = INT8_FLOAT_ROWS):
         super().__init__()
+        self.float_rows = int(float_rows)
         w = weight.detach().float()
         # the scale as stored (in the weight's dtype) is the one the ints are rounded against, so a bf16 scale's own
         # rounding adds no error: |W - s·W_int8| <= s/2 per row
@@ -157,12 +173,13 @@ class Int8Linear(torch.nn.Module):
         fused.register_buffer("qweight", torch.cat([p.qweight for p in parts]))
         fused.register_buffer("scale", torch.cat([p.scale for p in parts]))
         fused.register_buffer("bias", None)
+        fused.float_rows = min(p.float_rows for p in parts)
         fused.out_features, fused.in_features = sum(p.out_features for p in parts), parts[0].in_features
         return fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).contiguous()
-        if flat.shape[0] >= INT8_FLOAT_ROWS and flat.dtype == torch.bfloat16 and flat.device.type == "cpu":
+        if flat.shape[0] >= self.float_rows and flat.dtype == torch.bfloat16 and flat.device.type == "cpu":
             y = self._float_copy(flat.dtype)(flat)
         else:
             y = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scale.to(x.dtype))
@@ -195,8 +212,10 @@ def int8_kernel_is_fast(dtype: torch.dtype, device: torch.device) -> bool:
     return device.type == "cpu" and dtype == torch.bfloat16
 
 
-def quantize_linears(model: torch.nn.Module, keep: set[int] = frozenset(), only_where_fast: bool = True) -> int:
-    """Replace every `nn.Linear` / `PackedLinear` of `model` by an `Int8Linear`; returns how many. With
+def quantize_linears(model: torch.nn.Module, keep: set[int] = frozenset(), only_where_fast: bool = True,
+                     float_rows: int = INT8_FLOAT_ROWS) -> int:
+    """Replace every `nn.Linear` / `PackedLinear` of `model` by an `Int8Linear` (switching to its bf16 copy from
+    `float_rows` rows); returns how many. With
     `only_where_fast` (what `pair.draft.quantize=int8` does) layers whose dtype/device the int8 kernel is slow for
     (`int8_kernel_is_fast`: float32, CUDA) keep their float weights, because there int8 saves nothing. A Linear whose
     weight is in `keep` (ids of tensors another model shares, e.g. the target's) is refused, not quantized under it."""
@@ -211,7 +230,7 @@ def quantize_linears(model: torch.nn.Module, keep: set[int] = frozenset(), only_
                                 "draft.quantize=null")
             if only_where_fast and not int8_kernel_is_fast(child.weight.dtype, child.weight.device):
                 continue
-            setattr(module, name, Int8Linear(child.weight, child.bias))
+            setattr(module, name, Int8Linear(child.weight, child.bias, float_rows))
             n += 1
     return n
 

@@ -31,7 +31,15 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from models.lean import supports as lean_supports
-from models.lm_head import SubsetHead, pack_linears, quantize_linears, read_frequencies, resolve_linear, subset_ids
+from models.lm_head import (
+    SubsetHead,
+    int8_float_rows,
+    pack_linears,
+    quantize_linears,
+    read_frequencies,
+    resolve_linear,
+    subset_ids,
+)
 from utils.cli import UserError, check_name
 from utils.files import sha256_file
 
@@ -447,6 +455,7 @@ def load_pair(cfg: DictConfig | str) -> Pair:
     quantize = cfg.draft.get("quantize")
     if quantize not in (None, "int8"):  # before any weights load
         raise UserError(f"draft.quantize must be int8 or null, got '{quantize}'")
+    float_rows = int8_float_rows(cfg.draft)
     forward = str(cfg.get("forward", "auto"))
     resolve_forwards(forward, {})  # the name, before any weights load
     device = resolve_device(str(cfg.get("device", "auto")))
@@ -462,7 +471,7 @@ def load_pair(cfg: DictConfig | str) -> Pair:
     if cfg.draft.get("vocab_subset"):
         draft = reduce_draft_vocab(draft, tok, cfg.draft, vocab)
     if quantize:
-        quantize_linears(draft, keep={id(p) for p in target.parameters()})
+        quantize_linears(draft, keep={id(p) for p in target.parameters()}, float_rows=float_rows)
     linear = resolve_linear(str(cfg.get("linear", "auto")), device, dtype)
     if linear == "packed":
         pack_linears(target)

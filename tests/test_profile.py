@@ -44,6 +44,9 @@ def test_profile_is_measured_once_then_cached(tiny_pair, tmp_path, monkeypatch):
     assert all(t > 0 for t in prof.target_ms + prof.draft_ms + prof.prefill_draft_ms + prof.draft_level_ms
                + prof.target_tree_ms)
     assert prof.key["dtype"] == "float32" and prof.key["threads"] == 1
+    for curve in ("target_ms", "target_tree_ms", "draft_level_ms"):  # non-decreasing in n, the medians kept beside
+        ys, raw = getattr(prof, curve), prof.extra["raw_ms"][curve]
+        assert all(a <= b for a, b in zip(ys, ys[1:])) and len(raw) == len(ys)
     assert list((tmp_path / "profiles").glob("tiny_random-*.json"))
     monkeypatch.setattr(dp, "measure", lambda *a, **k: pytest.fail("measured again despite the cache"))
     again = get_profile(tiny_pair, SMALL)
@@ -72,6 +75,17 @@ def test_a_profile_measured_under_load_says_so(tiny_pair, tmp_path, monkeypatch,
     quiet.extra["other_load_cores"] = 0.1
     dp.warn_if_loaded(quiet)
     assert capsys.readouterr().out == ""
+
+
+def test_monotone_pools_only_what_breaks_the_order():
+    """Isotonic regression: an ordered curve comes back as it was; a point below an earlier one is pooled with it
+    (the mean of the block), so a 10-token pass can no longer look cheaper than a 5-token one."""
+    from models.cost import monotone
+
+    assert monotone([1.0, 1.0, 2.0, 3.5]) == [1.0, 1.0, 2.0, 3.5]
+    assert monotone([30.0, 33.0, 31.0, 35.0]) == pytest.approx([30.0, 32.0, 32.0, 35.0])
+    assert monotone([37.0, 36.0, 35.0]) == pytest.approx([36.0, 36.0, 36.0])
+    assert monotone([5.0]) == [5.0]
 
 
 def test_profile_curve_interpolates_and_extends():
@@ -370,8 +384,8 @@ def test_int8_linear_is_the_dequantized_product(dtype):
     assert float((deq - lin.weight.float()).abs().max()) <= float(q.scale.float().max()) * 0.51
 
 
-def test_int8_linear_switches_to_a_bf16_copy_for_many_rows(monkeypatch):
-    """From INT8_FLOAT_ROWS rows a bf16 CPU call multiplies by the dequantized weight rounded to bf16 (torch's int8
+def test_int8_linear_switches_to_a_bf16_copy_for_many_rows():
+    """From `float_rows` rows a bf16 CPU call multiplies by the dequantized weight rounded to bf16 (torch's int8
     kernel is no GEMM: a prefill or a tree level ran ~2x slower through it), below that by the int8 kernel; both agree
     to bf16 resolution, and the copy is neither saved nor carried through a deepcopy."""
     import models.lm_head as lm_head
@@ -379,7 +393,8 @@ def test_int8_linear_switches_to_a_bf16_copy_for_many_rows(monkeypatch):
     torch.manual_seed(0)
     lin = torch.nn.Linear(576, 96, bias=True).to(torch.bfloat16)
     q = lm_head.Int8Linear(lin.weight, lin.bias)
-    n = lm_head.INT8_FLOAT_ROWS
+    n = q.float_rows
+    assert n == lm_head.INT8_FLOAT_ROWS
     x = torch.randn(n, 576, dtype=torch.bfloat16)
     kernel = torch.ops.aten._weight_int8pack_mm(x, q.qweight, q.scale) + lin.bias.detach()
     deq = (q.qweight.float() * q.scale.float()[:, None]).to(torch.bfloat16)
@@ -388,8 +403,29 @@ def test_int8_linear_switches_to_a_bf16_copy_for_many_rows(monkeypatch):
     torch.testing.assert_close(q(x), kernel, atol=0.05, rtol=0.02)
     assert "_float" in q.__dict__ and not any("float" in k for k in q.state_dict())
     assert "_float" not in copy.deepcopy(q).__dict__
-    monkeypatch.setattr(lm_head, "INT8_FLOAT_ROWS", 1 << 30)
+    q.float_rows = lm_head.NEVER
     assert torch.equal(q(x), kernel)
+    fused = lm_head.Int8Linear.stacked([lm_head.Int8Linear(lin.weight, float_rows=3),
+                                        lm_head.Int8Linear(lin.weight, float_rows=9)])
+    assert fused.float_rows == 3
+
+
+def test_int8_float_rows_setting_reaches_every_int8_layer(tiny_pair):
+    """`pair.draft.int8_float_rows`: absent → the default, null → never, a bad value → one clear error; load_pair
+    passes it to quantize_linears, which gives it to every Int8Linear (bench.int8_rows' A/B relies on this)."""
+    from models.lm_head import INT8_FLOAT_ROWS, NEVER, Int8Linear, int8_float_rows, quantize_linears
+    from utils.cli import UserError
+
+    assert int8_float_rows({}) == INT8_FLOAT_ROWS
+    assert int8_float_rows({"int8_float_rows": None}) == NEVER
+    assert int8_float_rows({"int8_float_rows": 12}) == 12
+    for bad in (0, -3, 2.5, "five", True):
+        with pytest.raises(UserError, match="int8_float_rows"):
+            int8_float_rows({"int8_float_rows": bad})
+    draft = copy.deepcopy(tiny_pair.draft).to(torch.bfloat16)
+    quantize_linears(draft, keep={id(p) for p in tiny_pair.target.parameters()}, only_where_fast=False, float_rows=7)
+    layers = [m for m in draft.modules() if isinstance(m, Int8Linear)]
+    assert layers and all(m.float_rows == 7 for m in layers)
 
 
 def test_int8_draft_is_lossless_greedy(tiny_pair):
