@@ -44,9 +44,9 @@ def grow(draft, dcache, d_pending: list[int], builder, s, budget: int, res, cont
                                         max_depth=budget, context=context, verify=verify)
     res.draft_calls += calls
     tp = time.perf_counter()
-    res.draft_s += tp - ts
+    res.draft_s += tp - ts - tree.policy_s  # the builder's work inside the growth is policy time
     selected = sorted(builder.select(tree))
-    res.policy_s += time.perf_counter() - tp
+    res.policy_s += time.perf_counter() - tp + tree.policy_s
     return tree, prefix_len, selected
 
 

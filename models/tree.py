@@ -10,6 +10,7 @@ its ancestors, at position prefix + depth). An expander answers `max_depth`, `ch
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -30,7 +31,10 @@ class Tree:
     committed continuation) and `verify`: (H_p, top-2 margin of p) of the target distribution the last committed
     token came from ((0, 0) before the first verification) — given where a node head reads them (`node_columns`'
     groups copy / verify: tree traces always, decode for heads that ask). The index is the caller's and moves on
-    after the round (decode and traces push the committed tokens onto it): read it while the tree is the round's."""
+    after the round (decode and traces push the committed tokens onto it): read it while the tree is the round's.
+    `support`: the draft's reduced vocabulary (models.lm.LM.support; None for a full head), outside which every q
+    is 0, so node features read q there (`node_columns`). `policy_s`: seconds `grow` spent in the expander (a
+    builder's own work — a node head's features and scores — which decode books as policy time, not draft time)."""
 
     root_q: torch.Tensor
     tokens: list[int] = field(default_factory=list)
@@ -45,6 +49,8 @@ class Tree:
     levels: list = field(default_factory=list)  # nodes of each draft call after the root's (what a round costs)
     context: object = None
     verify: tuple | None = None
+    support: torch.Tensor | None = None
+    policy_s: float = 0.0
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -87,15 +93,20 @@ def grow(draft, dcache, d_pending: list[int], expander, temperature: float = 0.0
     `verify` are attached to the tree (`Tree`) before the expander sees it."""
     logits, _ = draft(d_pending, dcache, last=1)
     prefix_len, calls = dcache.get_seq_length(), 1
-    tree = Tree(root_q=draft_probs(logits[0], temperature, top_p), context=context, verify=verify)
+    tree = Tree(root_q=draft_probs(logits[0], temperature, top_p), context=context, verify=verify,
+                support=getattr(draft, "support", None))
     frontier = [-1]
     depth = expander.max_depth if max_depth is None else min(expander.max_depth, int(max_depth))
+    clock = time.perf_counter
     for level in range(1, depth + 1):
+        ts = clock()
         new = [tree.add(parent, tok, prob, rank) for parent in frontier
                for tok, prob, rank in expander.children(tree, parent, level)]
         if not new or level == depth:
+            tree.policy_s += clock() - ts
             break
         frontier = expander.expand(tree, new, level)
+        tree.policy_s += clock() - ts
         if not frontier:
             break
         run_nodes(draft, dcache, tree, frontier, prefix_len, temperature, top_p)
@@ -120,7 +131,8 @@ def node_columns(tree: Tree, nodes: list[int], k: int, support=None, groups=()) 
     draft_topk / draft_entropy are those of the distribution the node was drawn from (its parent's, `tree.dist`),
     through models.features.DraftStep, the extractor decode's chain policies read (`support`: the draft's reduced
     vocabulary, same values); q_token = that distribution at the node's token; parent_q = the parent's own q_token
-    (1.0 for the root's children). Ints are int32, floats float32; draft_topk is (len(nodes), k), omitted for k = 0.
+    (1.0 for the root's children). `support` defaults to the tree's. Ints are int32, floats float32; draft_topk is
+    (len(nodes), k), omitted for k = 0.
     `groups` adds NODE_GROUP_COLUMNS: `verify` reads `tree.verify`, `copy` `tree.context`
     (models.features.node_copy_columns); a tree without them is refused.
     """
@@ -138,6 +150,7 @@ def node_columns(tree: Tree, nodes: list[int], k: int, support=None, groups=()) 
             raise RuntimeError(f"node features of group {group} need {what}; grow the tree with {group}=... "
                                "(decode.loop does for builders whose head asks)")
 
+    support = tree.support if support is None else support
     feats: dict[int, tuple] = {}
     cols: dict[str, list] = {name: [] for name in NODE_COLUMNS}
     topk: list = []

@@ -73,6 +73,8 @@ def test_node_rows_equal_the_trace_rows_exactly(close_pair, monkeypatch):
         assert x.dtype == torch.float32 and x.shape == (len(cols["node"]), spec.dim)
         decoded = torch.cat([kind.node_rows(t, list(range(len(t))), spec, support) for t in grown])
         assert torch.equal(decoded, x), name
+        # decode's builders pass no support: the tree carries the draft's (what the traces were computed on)
+        assert torch.equal(torch.cat([kind.node_rows(t, list(range(len(t))), spec) for t in grown]), x), name
         t = grown[0]
         deep = [i for i in range(len(t)) if t.depth[i] == max(t.depth)]  # their parents are not asked for
         assert torch.equal(kind.node_rows(t, deep, spec, support), x[deep])
