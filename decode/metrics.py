@@ -14,7 +14,8 @@ of per-prompt speedups. Definitions:
   tokens per round at t_target(k+1), t_draft per draft call) — machine-independent given the profile, and what a
   clock would show when the profile is this machine's;
 - oracle gap closed = (speedup − static K-opt's) ÷ (oracle's − static K-opt's), the study's bar (either speedup);
-- policy_overhead_frac = time in the policy (should_stop + observe, features included) ÷ time in draft steps;
+- policy_overhead_frac = time in the policy (should_stop + observe, features included; a tree builder's children,
+  expansion and selection, its node head's features and scores included) ÷ time in draft calls;
 - lossless (greedy, exact policies) = every output equals the target-only output token for token;
   lossless_up_to_ties also accepts a divergence where the target's logits of the two tokens differ by less than
   `tie_tolerance`: `tie_ulps` units in the last place of the model's dtype at the logits' magnitude (bf16 at a

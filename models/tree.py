@@ -151,30 +151,33 @@ def node_columns(tree: Tree, nodes: list[int], k: int, support=None, groups=()) 
                                "(decode.loop does for builders whose head asks)")
 
     support = tree.support if support is None else support
-    feats: dict[int, tuple] = {}
+    nodes = list(nodes)
     cols: dict[str, list] = {name: [] for name in NODE_COLUMNS}
-    topk: list = []
+    # the parents' distributions as one (parents, V) batch: one top-k, one entropy and one gather of the nodes' q
+    # instead of one of each per parent and per node (a learned builder asks this every level of every round)
+    parents = list(dict.fromkeys(tree.parents[i] for i in nodes))
+    row = {p: j for j, p in enumerate(parents)}
+    rows = [row[tree.parents[i]] for i in nodes]
+    if parents:
+        step = DraftStep(probs=torch.stack([tree.dist(p) for p in parents]), token=-1, hidden=None,
+                         position_in_round=0, position=0, support=support)
+        ent = step.entropy.float().cpu().numpy()[rows]
+        top = step.topk(k).float().cpu().numpy()[rows] if k > 0 else None
+        cols["q_token"] = step.probs[rows, [tree.tokens[i] for i in nodes]].float().cpu().tolist()
     for i in nodes:
-        par, tok, d = tree.parents[i], tree.tokens[i], tree.depth[i]
-        if par not in feats:
-            step = DraftStep(probs=tree.dist(par), token=tok, hidden=None, position_in_round=d - 1, position=0,
-                             support=support)
-            feats[par] = (step.topk(k).float().cpu().numpy() if k > 0 else None, float(step.entropy))
+        par = tree.parents[i]
         cols["node"].append(i)
         cols["parent"].append(par)
-        cols["depth"].append(d)
+        cols["depth"].append(tree.depth[i])
         cols["rank"].append(tree.rank[i])
-        cols["token"].append(tok)
-        cols["q_token"].append(float(tree.dist(par)[tok]))
+        cols["token"].append(tree.tokens[i])
         cols["joint"].append(tree.joint[i])
-        cols["draft_entropy"].append(feats[par][1])
         cols["parent_q"].append(1.0 if par < 0 else float(tree.dist(tree.parents[par])[tree.tokens[par]]))
-        if k > 0:
-            topk.append(feats[par][0])
     ints = {"node", "parent", "depth", "rank", "token"}
     out = {name: np.asarray(v, dtype=np.int32 if name in ints else np.float32) for name, v in cols.items()}
+    out["draft_entropy"] = ent.astype(np.float32, copy=False) if parents else np.zeros(0, np.float32)
     if k > 0:
-        out["draft_topk"] = np.stack(topk).astype(np.float32, copy=False) if topk else np.zeros((0, k), np.float32)
+        out["draft_topk"] = top.astype(np.float32, copy=False) if parents else np.zeros((0, k), np.float32)
     if "verify" in groups:
         for name, v in zip(NODE_GROUP_COLUMNS["verify"], tree.verify):
             out[name] = np.full(len(nodes), v, dtype=np.float32)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -238,3 +239,39 @@ def test_learned_builders_are_target_greedy_and_refuse_chain_heads(close_tiny, n
     assert widest > 4  # more nodes than a chain of this depth
     with pytest.raises(UserError, match="needs a node head"):
         cls(bundle=make_head(close_tiny, "disco"), profile=_profile())
+
+
+@pytest.mark.parametrize("support", [None, torch.arange(0, 400, 3)])
+def test_node_columns_batch_the_parents_and_match_the_one_extractor(support):
+    """node_columns reads the parents' distributions as one batch: each node's top-k and entropy are DraftStep's
+    for its own parent (the chain policies' extractor), its q_token that parent's probability of its token, for any
+    subset of nodes asked for (a learned builder asks level by level)."""
+    from models.features import DraftStep
+    from models.tree import node_columns
+
+    gen = torch.Generator().manual_seed(0)
+
+    def dist():
+        q = torch.rand(400, generator=gen) ** 8
+        if support is not None:
+            q[~torch.isin(torch.arange(400), support)] = 0.0
+        return q / q.sum()
+
+    t = Tree(root_q=dist(), support=support)
+    for _ in range(3):
+        t.add(-1, int(torch.randint(400, (1,), generator=gen)), 0.1, 1)
+    for parent in (0, 1, 0):
+        t.q[parent] = dist()
+        t.add(parent, int(torch.randint(400, (1,), generator=gen)), 0.1, 2)
+    t.q[4] = dist()
+    t.add(4, 7, 0.1, 1)
+    for nodes in (list(range(len(t))), [6, 3], [5]):
+        cols = node_columns(t, nodes, 10)
+        for j, i in enumerate(nodes):
+            par = t.parents[i]
+            one = DraftStep(probs=t.dist(par), token=t.tokens[i], hidden=None, position_in_round=0, position=0,
+                            support=support)
+            assert torch.equal(torch.from_numpy(cols["draft_topk"][j]), one.topk(10))
+            assert cols["draft_entropy"][j] == pytest.approx(float(one.entropy), rel=1e-6)
+            assert cols["q_token"][j] == np.float32(t.dist(par)[t.tokens[i]])
+            assert cols["parent_q"][j] == (1.0 if par < 0 else np.float32(t.dist(t.parents[par])[t.tokens[par]]))
