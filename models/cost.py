@@ -23,10 +23,10 @@ a context of `context` tokens; the three curves over n (`target_ms`, `target_tre
 made non-decreasing by isotonic regression (`monotone`; the medians stay in `extra.raw_ms`). Why: on a 2-core EPYC
 VM a profile measured first thing in a fresh process (3 warm-up rounds, 15 repeats) put the target step 20% above
 the loop's own and a 10-token tree pass at 1.00× it; the tree builders grew bigger trees on it (eagle2: 5.9 verified
-nodes a round against 4.1) that lost 7% on the clock to the expected-value chain (2026-11-27 12:13). With 10 warm-up rounds, 25 repeats and monotone curves,
-two back-to-back profiles agreed within 0.07 on every ratio t(n)/t(1) up to n = 12, and t(1) within 2% of the
-loop's step. Measured once per (pair, draft, dtype, linear, device, threads, torch, machine) and
-cached under `<cache>/profiles/`; every decode run.json and trace manifest carries the profile it used. A profile
+nodes a round against 4.1) that lost 7% on the clock to the expected-value chain (2026-11-27 12:13). With 10
+warm-up rounds, 25 repeats and monotone curves, two back-to-back profiles agreed within 0.07 on every ratio
+t(n)/t(1) up to n = 12, and t(1) within 2% of the loop's step. Measured once per (pair, draft, dtype, linear, device,
+threads, torch, machine) and cached under `<cache>/profiles/`; every decode run.json and trace manifest carries the profile it used. A profile
 measured while other processes kept the CPU busy (`extra.other_load_cores`, read from /proc/stat) is kept but named
 in one warning line whenever it is used: its ratios are a loaded machine's.
 """
