@@ -26,9 +26,9 @@ the loop's own and a 10-token tree pass at 1.00× it; the tree builders grew big
 nodes a round against 4.1) that lost 7% on the clock to the expected-value chain (2026-11-27 12:13). With 10
 warm-up rounds, 25 repeats and monotone curves, two back-to-back profiles agreed within 0.07 on every ratio
 t(n)/t(1) up to n = 12, and t(1) within 2% of the loop's step. Measured once per (pair, draft, dtype, linear, device,
-threads, torch, machine) and cached under `<cache>/profiles/`; every decode run.json and trace manifest carries the profile it used. A profile
-measured while other processes kept the CPU busy (`extra.other_load_cores`, read from /proc/stat) is kept but named
-in one warning line whenever it is used: its ratios are a loaded machine's.
+threads, torch, machine) and cached under `<cache>/profiles/`; every decode run.json and trace manifest carries
+the profile it used. A profile measured while other processes kept the CPU busy (`extra.other_load_cores`, read
+from /proc/stat) is kept but named in one warning line whenever it is used: its ratios are a loaded machine's.
 """
 
 from __future__ import annotations

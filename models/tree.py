@@ -102,10 +102,7 @@ def grow(draft, dcache, d_pending: list[int], expander, temperature: float = 0.0
         ts = clock()
         new = [tree.add(parent, tok, prob, rank) for parent in frontier
                for tok, prob, rank in expander.children(tree, parent, level)]
-        if not new or level == depth:
-            tree.policy_s += clock() - ts
-            break
-        frontier = expander.expand(tree, new, level)
+        frontier = expander.expand(tree, new, level) if new and level < depth else []
         tree.policy_s += clock() - ts
         if not frontier:
             break
@@ -158,12 +155,11 @@ def node_columns(tree: Tree, nodes: list[int], k: int, support=None, groups=()) 
     parents = list(dict.fromkeys(tree.parents[i] for i in nodes))
     row = {p: j for j, p in enumerate(parents)}
     rows = [row[tree.parents[i]] for i in nodes]
-    if parents:
-        step = DraftStep(probs=torch.stack([tree.dist(p) for p in parents]), token=-1, hidden=None,
-                         position_in_round=0, position=0, support=support)
-        ent = step.entropy.float().cpu().numpy()[rows]
-        top = step.topk(k).float().cpu().numpy()[rows] if k > 0 else None
-        cols["q_token"] = step.probs[rows, [tree.tokens[i] for i in nodes]].float().cpu().tolist()
+    dists = [tree.dist(p) for p in parents]  # none for no nodes: a (0, V) batch gives the empty columns
+    step = DraftStep(probs=torch.stack(dists) if dists else tree.root_q.new_zeros((0, tree.root_q.shape[-1])),
+                     token=-1, hidden=None, position_in_round=0, position=0, support=support)
+    cols["q_token"] = step.probs[rows, [tree.tokens[i] for i in nodes]].float().tolist()
+    cols["draft_entropy"] = step.entropy[rows].float().tolist()
     for i in nodes:
         par = tree.parents[i]
         cols["node"].append(i)
@@ -175,9 +171,8 @@ def node_columns(tree: Tree, nodes: list[int], k: int, support=None, groups=()) 
         cols["parent_q"].append(1.0 if par < 0 else float(tree.dist(tree.parents[par])[tree.tokens[par]]))
     ints = {"node", "parent", "depth", "rank", "token"}
     out = {name: np.asarray(v, dtype=np.int32 if name in ints else np.float32) for name, v in cols.items()}
-    out["draft_entropy"] = ent.astype(np.float32, copy=False) if parents else np.zeros(0, np.float32)
     if k > 0:
-        out["draft_topk"] = top.astype(np.float32, copy=False) if parents else np.zeros((0, k), np.float32)
+        out["draft_topk"] = step.topk(k).float().cpu().numpy()[rows]
     if "verify" in groups:
         for name, v in zip(NODE_GROUP_COLUMNS["verify"], tree.verify):
             out[name] = np.full(len(nodes), v, dtype=np.float32)
