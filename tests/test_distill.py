@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import pytest
 import torch
@@ -10,8 +11,9 @@ from omegaconf import OmegaConf
 from safetensors import safe_open
 
 from models.pair import STUDENT_META, layer_subset, load_pair, load_student
-from train.distill import leviathan_speedup, make_student, save_student
+from train.distill import leviathan_speedup, make_student, save_student, weighted
 from train.distill_module import collate, topk_kl
+from utils.cli import UserError
 
 
 def test_student_shares_frozen_embeddings_and_head(tiny_pair):
@@ -70,6 +72,22 @@ def test_collate_aligns_teacher_with_continuation():
     assert b["x"].tolist() == [[5, 6, 7, 8], [5, 6, 7, 0]]
     assert b["mask"].tolist() == [[False, False, True, True], [False, False, True, False]]
     assert b["idx"][:, 0].tolist() == [8, 9, 8]  # the position before token t holds the teacher's guess for t
+
+
+def test_source_weights_repeat_drop_and_refuse():
+    items = [{"source": s} for s in ["specbench"] * 100 + ["self_instruct_qa"] * 100 + ["mbpp"] * 100] + [{"ids": 0}]
+    out = weighted(items, {"specbench": 3, "self_instruct": 0.5, "self_instruct_qa": 2, "mbpp": 0}, seed=0)
+    count = Counter(it.get("source", "text") for it in out)
+    # the longest matching key wins (self_instruct_qa: 2, not self_instruct: 0.5); unlisted items keep weight 1
+    assert count == {"specbench": 300, "self_instruct_qa": 200, "text": 1}
+    half = Counter(it.get("source") for it in weighted(items, {"mbpp": 0.5}, seed=0))
+    assert 30 < half["mbpp"] < 70 and half["specbench"] == 100
+    assert weighted(items, {}, seed=0) is items
+    for bad in ({"mbpp": -1}, {"mbpp": "x"}):
+        with pytest.raises(UserError, match="mbpp"):
+            weighted(items, bad, seed=0)
+    with pytest.raises(UserError, match="every training item"):
+        weighted(items[:100], {"specbench": 0}, seed=0)
 
 
 def test_leviathan_speedup():

@@ -290,3 +290,29 @@ def test_text_chunks_take_the_responses_topk(tmp_path, tiny_pair):
     assert len(sources) > 1 and len(train) > len(dd.load_items(dd.out_folder(cfg))[0])  # responses and text
     assert {int(it["vals"].shape[-1]) for it in train} == {4}
     assert OmegaConf.select(dcfg, "data.topk") == 64
+
+
+def test_responses_list_adds_a_top_up_set_of_the_same_width(tmp_path, tiny_pair):
+    """data.responses may list folders (the main set, then top-ups made with another out_root): their items add up,
+    and a top-up of another top-k width is refused in one line (a batch holds one width)."""
+    from train.distill import build_data
+
+    main = compose_data(tmp_path, "max_shards=1")
+    extra = compose_data(tmp_path, "max_shards=1", f"out_root={tmp_path / 'extra'}", f"seq_dir={tmp_path / 'seqs2'}",
+                         "responses.temperatures=[1.0]", "seed=1")
+    wide = compose_data(tmp_path, "max_shards=1", f"out_root={tmp_path / 'wide'}", f"seq_dir={tmp_path / 'seqs3'}",
+                        "topk=6")
+    folders = [dd.run(c) for c in (main, extra, wide)]
+
+    def data(*chosen):
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            dcfg = compose("distill", overrides=[
+                "pair=tiny_random", f"data.responses=[{','.join(str(f) for f in chosen)}]",
+                f"data.cache_dir={tmp_path / 'cache'}", "data.text.chunks=0",
+                "data.heldout=[{dataset: mbpp, split: validation, limit: 1}]", "data.heldout_text_chunks=1"])
+        return build_data(tiny_pair, dcfg)[0]
+
+    sizes = [len(dd.load_items(f)[0]) for f in folders[:2]]
+    assert len(data(*folders[:2])) == sum(sizes) and min(sizes) > 0
+    with pytest.raises(UserError, match="top-6"):
+        data(folders[0], folders[2])

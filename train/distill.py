@@ -166,13 +166,19 @@ def build_data(pair: Pair, cfg: DictConfig) -> tuple[list[dict], list[dict], lis
     root = root / pair.pair_id
     base = (pair.pair_id, pair.tokenizer_hash, CODE_VERSION)
     train, topk = [], int(d.topk)
-    if d.get("responses"):  # python -m train.distill_data's folder (the finished shards; it may still be growing)
+    # python -m train.distill_data's folder(s): the finished shards (a folder may still be growing); a list adds
+    # top-up sets (e.g. more sampled answers to chat prompts, made with another out_root) to the main one
+    folders = d.get("responses") or []
+    for j, folder in enumerate([folders] if isinstance(folders, str) else list(folders)):
         from train.distill_data import load_items
 
-        train, made = load_items(Path(os.path.expanduser(str(d.responses))), d.get("max_shards"))
+        items, made = load_items(Path(os.path.expanduser(str(folder))), d.get("max_shards") if j == 0 else None)
         if made.get("tokenizer_hash") != pair.tokenizer_hash:
-            raise UserError(f"data.responses={d.responses} was made with another tokenizer than pair {pair.name}'s")
-        topk = int(made["topk"])  # the text below must match it: a batch holds one top-k width
+            raise UserError(f"data.responses={folder} was made with another tokenizer than pair {pair.name}'s")
+        if j and int(made["topk"]) != topk:
+            raise UserError(f"data.responses: {folder} keeps top-{made['topk']}, the first folder top-{topk}; a batch "
+                            "holds one top-k width, so remake one of them with the other's topk")
+        train, topk = train + items, int(made["topk"])  # the text below must match it
     for src in ([] if d.get("responses") else d.sources):
         key = cache_key(base, OmegaConf.to_container(src), d.max_new_tokens, d.temperature, d.topk, d.max_len, cfg.seed)
         _, texts = dataset_prompts(pair, src.dataset, src.split, src.get("limit"), splits=src.get("splits"))
@@ -198,6 +204,37 @@ def build_data(pair: Pair, cfg: DictConfig) -> tuple[list[dict], list[dict], lis
     if not train:
         raise UserError("distillation data is empty; check data.sources (limits, max_len vs prompt lengths)")
     return train, heldout, heldout_text, root
+
+
+def weighted(items: list[dict], weights, seed: int) -> list[dict]:
+    """The training items with each source's share changed: an item whose `source` starts with a key of `weights`
+    (the longest such key) appears `w` times — a fractional part is one more copy for that share of the source's
+    items, drawn with `seed`; w = 0 drops the source. Items of no listed source (raw text included) keep weight 1.
+    Why: the responses are 40% code, while Spec-Bench is chat; re-weighting shifts what the student spends its few
+    layers on without generating new data."""
+    if not weights:
+        return items
+    import random
+
+    def number(v) -> float:
+        try:
+            return float(v)
+        except (TypeError, ValueError):
+            return float("nan")
+
+    table = {str(k): number(v) for k, v in dict(weights).items()}
+    bad = [k for k, v in table.items() if not v >= 0]
+    if bad:
+        raise UserError(f"data.source_weights: {', '.join(bad)} must be a number >= 0 (1 keeps a source as it is)")
+    rng, out = random.Random(seed), []
+    for it in items:
+        src = str(it.get("source", ""))
+        keys = [k for k in table if src.startswith(k)]
+        w = table[max(keys, key=len)] if keys else 1.0
+        out += [it] * (int(w) + (rng.random() < w - int(w)))
+    if not out:
+        raise UserError("data.source_weights drops every training item; give some source a weight > 0")
+    return out
 
 
 # ------------------------------------------------------------------------------------------------------ measurement
@@ -426,6 +463,7 @@ def distill(cfg: DictConfig) -> dict:
 
     t_data = time.time()
     train, heldout, heldout_text, cache = build_data(pair, cfg)
+    train = weighted(train, cfg.data.get("source_weights"), int(cfg.seed))
     t_data = time.time() - t_data
     n_train_tokens = sum(len(it["ids"]) - int(it["start"]) for it in train)
     print(f"data: {len(train)} sequences, {n_train_tokens} trained positions (cache {cache}); "
