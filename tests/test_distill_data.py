@@ -133,8 +133,12 @@ def test_job_resumes_to_the_uninterrupted_rows_and_rebuilds_from_ids(tmp_path):
     import shutil
 
     shutil.rmtree(tmp_path / "b" / "out")
+    exported = next((tmp_path / "b" / "seqs").glob("*/manifest.json"))
+    exported.write_text(json.dumps({**json.loads(exported.read_text()), "code_version": "older"}))
     dd.run(compose_data(tmp_path / "b"))
     rebuilt, _ = rows_of(dd.out_folder(parts))
+    # the committed ids' manifest keeps the code version that made them: a rebuild does not rewrite it
+    assert json.loads(exported.read_text())["code_version"] == "older"
     assert [r[:2] for r in rebuilt] == [r[:2] for r in ref]
     assert [r[2][0] for r in rebuilt] == [r[2][0] for r in ref]  # same teacher top-1 at every position
 

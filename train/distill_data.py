@@ -339,7 +339,10 @@ def run(cfg: DictConfig) -> Path:
         elif exported is not None:
             _check(seq_dir, exported, want, False)
         seq_dir.mkdir(parents=True, exist_ok=True)
-        store.write_json_atomic(seq_dir / store.MANIFEST, {k: v for k, v in want.items() if k not in ("created", "dtype")})
+        if exported is None or cfg.overwrite:  # a matching one stays as it is: its code_version is that of the run
+            # that made the ids, and a rebuild rewriting it would churn a committed file
+            store.write_json_atomic(seq_dir / store.MANIFEST,
+                                    {k: v for k, v in want.items() if k not in ("created", "dtype")})
     _fill(cfg, pair, folder, manifest, groups, seq_dir)
     return folder
 
