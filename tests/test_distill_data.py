@@ -320,3 +320,14 @@ def test_responses_list_adds_a_top_up_set_of_the_same_width(tmp_path, tiny_pair)
     assert len(data(*folders[:2])) == sum(sizes) and min(sizes) > 0
     with pytest.raises(UserError, match="top-6"):
         data(folders[0], folders[2])
+
+
+def test_translations_from_plans_other_sentences_under_their_own_ids(tmp_path):
+    """A top-up set (gen_prompts.translations_from=N) translates the sentences after the main set's N, and its ids
+    name them, so a file made with another start is refused by the id check rather than silently continued."""
+    main = [r for r in dd._gen_requests(compose_data(tmp_path)) if r["source"] == "translation"]
+    top = [r for r in dd._gen_requests(compose_data(tmp_path, "gen_prompts.translations_from=2"))
+           if r["source"] == "translation"]
+    sentences = dp.english_sentences(4)
+    assert [r["id"] for r in main] == ["tr-0", "tr-1"] and [r["id"] for r in top] == ["tr-2", "tr-3"]
+    assert [r["request"] for r in top] == [dp.translation_request(s) for s in sentences[2:]]

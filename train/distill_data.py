@@ -120,7 +120,8 @@ def _gen_requests(cfg: DictConfig) -> list[dict]:
         kind, ask, prime = dp.self_instruct_request(i, seeds, int(cfg.seed))
         reqs.append({"id": f"si-{i}", "source": f"self_instruct_{kind}", "request": ask, "prime": prime,
                      "temperature": 1.0})
-    for j, s in enumerate(dp.english_sentences(int(g.translations))):
+    first = int(g.get("translations_from", 0))  # a top-up set translates sentences the main set did not
+    for j, s in enumerate(dp.english_sentences(first + int(g.translations))[first:], first):  # ids name the sentence
         reqs.append({"id": f"tr-{j}", "source": "translation", "request": dp.translation_request(s), "prime": "",
                      "temperature": 0.7})
     return reqs
