@@ -83,7 +83,7 @@ def test_source_weights_repeat_drop_and_refuse():
     half = Counter(it.get("source") for it in weighted(items, {"mbpp": 0.5}, seed=0))
     assert 30 < half["mbpp"] < 70 and half["specbench"] == 100
     assert weighted(items, {}, seed=0) is items
-    for bad in ({"mbpp": -1}, {"mbpp": "x"}):
+    for bad in ({"mbpp": -1}, {"mbpp": "x"}, {"mbpp": "inf"}):
         with pytest.raises(UserError, match="mbpp"):
             weighted(items, bad, seed=0)
     with pytest.raises(UserError, match="every training item"):

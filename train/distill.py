@@ -28,7 +28,9 @@ import copy
 import hashlib
 import json
 import logging
+import math
 import os
+import random
 import sys
 import time
 from pathlib import Path
@@ -168,10 +170,10 @@ def build_data(pair: Pair, cfg: DictConfig) -> tuple[list[dict], list[dict], lis
     train, topk = [], int(d.topk)
     # python -m train.distill_data's folder(s): the finished shards (a folder may still be growing); a list adds
     # top-up sets (e.g. more sampled answers to chat prompts, made with another out_root) to the main one
+    from train.distill_data import load_items
+
     folders = d.get("responses") or []
     for j, folder in enumerate([folders] if isinstance(folders, str) else list(folders)):
-        from train.distill_data import load_items
-
         items, made = load_items(Path(os.path.expanduser(str(folder))), d.get("max_shards") if j == 0 else None)
         if made.get("tokenizer_hash") != pair.tokenizer_hash:
             raise UserError(f"data.responses={folder} was made with another tokenizer than pair {pair.name}'s")
@@ -214,7 +216,6 @@ def weighted(items: list[dict], weights, seed: int) -> list[dict]:
     layers on without generating new data."""
     if not weights:
         return items
-    import random
 
     def number(v) -> float:
         try:
@@ -223,7 +224,7 @@ def weighted(items: list[dict], weights, seed: int) -> list[dict]:
             return float("nan")
 
     table = {str(k): number(v) for k, v in dict(weights).items()}
-    bad = [k for k, v in table.items() if not v >= 0]
+    bad = [k for k, v in table.items() if not (v >= 0 and math.isfinite(v))]  # nan, negative, inf
     if bad:
         raise UserError(f"data.source_weights: {', '.join(bad)} must be a number >= 0 (1 keeps a source as it is)")
     rng, out = random.Random(seed), []
