@@ -90,6 +90,21 @@ def test_source_weights_repeat_drop_and_refuse():
         weighted(items[:100], {"specbench": 0}, seed=0)
 
 
+def test_repeated_items_land_in_different_batches():
+    """A weight-3 item's copies have its length; sorted by length alone they filled one batch (3 of 4 slots the
+    same sequence). The copy index sorts first, so each batch holds distinct sequences."""
+    from train.distill_module import LengthBatches
+
+    items = [{"source": "specbench", "ids": list(range(10 + i))} for i in range(8)]
+    out = weighted(items, {"specbench": 3}, seed=0)
+    assert sorted(it.get("round", 0) for it in out) == [0] * 8 + [1] * 8 + [2] * 8
+    sampler = LengthBatches([len(it["ids"]) for it in out], 4, seed=0, rounds=[it.get("round", 0) for it in out])
+    batches = list(sampler)
+    assert len(batches) == 6 and all(len({len(out[i]["ids"]) for i in b}) == 4 for b in batches)
+    plain = LengthBatches([len(it["ids"]) for it in out], 4, seed=0)  # the old order: copies side by side
+    assert any(len({len(out[i]["ids"]) for i in b}) < 4 for b in plain)
+
+
 def test_leviathan_speedup():
     assert leviathan_speedup(0.0, 0.1) == {"speedup": 1.0, "gamma": 0}  # no draft beats a useless one
     r = leviathan_speedup(0.8, 0.1)

@@ -290,8 +290,9 @@ def test_text_chunks_take_the_responses_topk(tmp_path, tiny_pair):
             "data.heldout_text_chunks=1"])
     assert int(dcfg.data.topk) != 4
     train, *_ = build_data(tiny_pair, dcfg)
-    sources = {str(it.get("source", "text")) for it in train}
-    assert len(sources) > 1 and len(train) > len(dd.load_items(dd.out_folder(cfg))[0])  # responses and text
+    sources = {str(it["source"]) for it in train}
+    assert "text_wikitext2" in sources and len(sources) > 1  # responses and text (re-weightable by that name)
+    assert sum(s == "text_wikitext2" for s in (it["source"] for it in train)) == 2
     assert {int(it["vals"].shape[-1]) for it in train} == {4}
     assert OmegaConf.select(dcfg, "data.topk") == 64
 
@@ -331,3 +332,26 @@ def test_translations_from_plans_other_sentences_under_their_own_ids(tmp_path):
     sentences = dp.english_sentences(4)
     assert [r["id"] for r in main] == ["tr-0", "tr-1"] and [r["id"] for r in top] == ["tr-2", "tr-3"]
     assert [r["request"] for r in top] == [dp.translation_request(s) for s in sentences[2:]]
+
+
+def test_text_chunks_per_article_reaches_the_rest_of_the_train_articles(tiny_pair):
+    """data.text.chunks_per_article overrides the dataset's 4 chunks an article: more raw train text, still only
+    train-split articles; a setting the dataset lacks is one UserError line."""
+    from train.distill import dataset_prompts
+
+    few, _ = dataset_prompts(tiny_pair, "wikitext2", "train", None)
+    many, _ = dataset_prompts(tiny_pair, "wikitext2", "train", None, chunks_per_article=1000)
+    assert len(many) > 2 * len(few) and {p.prompt_id for p in few} < {p.prompt_id for p in many}
+    assert {p.split for p in many} == {"train"}
+    with pytest.raises(UserError, match="no setting 'chunk_per_article'"):
+        dataset_prompts(tiny_pair, "wikitext2", "train", None, chunk_per_article=8)
+
+
+def test_wikitext_from_asks_new_questions_of_the_same_paragraphs():
+    """A top-up set (wikitext_from = the main set's wikitext_per_paragraph) wraps the same paragraphs in templates the
+    main set did not use, so no prompt id repeats; asking past the last template is refused."""
+    main, top = dp.wikitext_prompts(2), dp.wikitext_prompts(1, skip=2)
+    assert len(top) * 2 == len(main) and not {p.prompt_id for p in main} & {p.prompt_id for p in top}
+    assert {p.prompt_id.rsplit("-", 1)[0] for p in top} == {p.prompt_id.rsplit("-", 1)[0] for p in main}
+    with pytest.raises(UserError, match="within the 6 templates"):
+        dp.wikitext_prompts(2, skip=len(dp.WIKI_TEMPLATES) - 1)

@@ -132,9 +132,11 @@ def teacher_text(pair: Pair, texts: list[str], topk: int, chunk_tokens: int, des
     return out
 
 
-def dataset_prompts(pair: Pair, dataset: str, split: str, limit, chat: bool | None = None, splits: str | None = None):
+def dataset_prompts(pair: Pair, dataset: str, split: str, limit, chat: bool | None = None, splits: str | None = None,
+                    **overrides):
     """(prompts, rendered texts) of a dataset split; a test split is refused (distillation data never sees one).
-    `splits` picks another split scheme of the dataset (MBPP, Spec-Bench), e.g. the one a recipe was written with."""
+    `splits` picks another split scheme of the dataset (MBPP, Spec-Bench), e.g. the one a recipe was written with;
+    `overrides` set other keys of its conf/dataset file (e.g. WikiText-2's chunks_per_article)."""
     from data_gen.prompts import load_prompts, render
 
     if split == "test":
@@ -143,6 +145,10 @@ def dataset_prompts(pair: Pair, dataset: str, split: str, limit, chat: bool | No
     dcfg = OmegaConf.load(check_name("dataset", dataset))
     if splits is not None:
         dcfg.splits = splits
+    for k, v in overrides.items():
+        if k not in dcfg:
+            raise UserError(f"dataset {dataset} has no setting {k!r} (conf/dataset/{dataset}.yaml)")
+        dcfg[k] = v
     prompts = load_prompts(dcfg, split, None if limit is None else int(limit))
     use_chat = pair.chat_template if chat is None else chat
     return prompts, [render(p, pair.tokenizer, use_chat) for p in prompts]
@@ -187,13 +193,15 @@ def build_data(pair: Pair, cfg: DictConfig) -> tuple[list[dict], list[dict], lis
         train += cached(root / f"gen-{src.dataset}-{src.split}-{key}.pt", lambda: generate_continuations(
             pair, texts, int(d.max_new_tokens), int(d.gen_batch_size), float(d.temperature), int(d.topk),
             int(d.max_len), int(cfg.seed), f"target continuations {src.dataset}/{src.split}"))
-    if d.get("text") and int(d.text.chunks) > 0:
+    if d.get("text") and (d.text.chunks is None or int(d.text.chunks) > 0):
         t = d.text
-        prompts, _ = dataset_prompts(pair, t.dataset, t.split, int(t.chunks))
+        more = {} if t.get("chunks_per_article") is None else {"chunks_per_article": int(t.chunks_per_article)}
+        prompts, _ = dataset_prompts(pair, t.dataset, t.split, None if t.chunks is None else int(t.chunks), **more)
         texts = [f"{p.text} {p.reference}" for p in prompts]
         key = cache_key(base, OmegaConf.to_container(t), topk)
-        train += cached(root / f"text-{t.dataset}-{t.split}-{key}.pt",
-                         lambda: teacher_text(pair, texts, topk, int(t.chunk_tokens), "teacher on text"))
+        text = cached(root / f"text-{t.dataset}-{t.split}-{key}.pt",
+                      lambda: teacher_text(pair, texts, topk, int(t.chunk_tokens), "teacher on text"))
+        train += [{**it, "source": f"text_{t.dataset}"} for it in text]  # data.source_weights={text_wikitext2: w}
     heldout = []
     for src in d.heldout:
         key = cache_key(base, OmegaConf.to_container(src), 64, d.max_len)
@@ -211,7 +219,8 @@ def build_data(pair: Pair, cfg: DictConfig) -> tuple[list[dict], list[dict], lis
 def weighted(items: list[dict], weights, seed: int) -> list[dict]:
     """The training items with each source's share changed: an item whose `source` starts with a key of `weights`
     (the longest such key) appears `w` times — a fractional part is one more copy for that share of the source's
-    items, drawn with `seed`; w = 0 drops the source. Items of no listed source (raw text included) keep weight 1.
+    items, drawn with `seed`; w = 0 drops the source. Items of no listed source keep weight 1 (raw text is source
+    `text_<dataset>`).
     Why: the responses are 40% code, while Spec-Bench is chat; re-weighting shifts what the student spends its few
     layers on without generating new data."""
     if not weights:
@@ -232,7 +241,7 @@ def weighted(items: list[dict], weights, seed: int) -> list[dict]:
         src = str(it.get("source", ""))
         keys = [k for k in table if src.startswith(k)]
         w = table[max(keys, key=len)] if keys else 1.0
-        out += [it] * (int(w) + (rng.random() < w - int(w)))
+        out += [it if j == 0 else {**it, "round": j} for j in range(int(w) + (rng.random() < w - int(w)))]
     if not out:
         raise UserError("data.source_weights drops every training item; give some source a weight > 0")
     return out
@@ -367,7 +376,8 @@ def _fit(cfg: DictConfig, pair: Pair, student, train: list[dict], run_dir: Path,
 
     tcfg = cfg.train
     loader = torch.utils.data.DataLoader(
-        train, batch_sampler=LengthBatches([len(it["ids"]) for it in train], int(tcfg.batch_size), int(cfg.seed)),
+        train, batch_sampler=LengthBatches([len(it["ids"]) for it in train], int(tcfg.batch_size), int(cfg.seed),
+                                    [int(it.get("round", 0)) for it in train]),
         collate_fn=lambda b: collate(b, pair.tokenizer.pad_token_id))
     module = DistillModule(student, pair.vocab_size, tcfg, subset, teacher=pair)
     snaps = Snapshots(run_dir, int(tcfg.val_every), evaluate, save)

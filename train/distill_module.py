@@ -74,10 +74,13 @@ def subset_index(idx: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
 
 
 class LengthBatches(torch.utils.data.Sampler):
-    """Batches of similar-length sequences (little padding), in a fresh random order every epoch."""
+    """Batches of similar-length sequences (little padding), in a fresh random order every epoch. `rounds` (an item
+    copy's index, from train.distill.weighted) sorts first, so a repeated item's copies land in different batches
+    instead of side by side in one (same length) — each batch keeps batch_size distinct sequences."""
 
-    def __init__(self, lengths: list[int], batch_size: int, seed: int):
-        order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    def __init__(self, lengths: list[int], batch_size: int, seed: int, rounds: list[int] | None = None):
+        rounds = rounds or [0] * len(lengths)
+        order = sorted(range(len(lengths)), key=lambda i: (rounds[i], lengths[i]))
         self.batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
         self.rng = random.Random(seed)
 

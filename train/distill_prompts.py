@@ -166,11 +166,17 @@ def wikitext_paragraphs(min_words: int = 60, max_words: int = 150) -> list[tuple
     return paras
 
 
-def wikitext_prompts(per_paragraph: int = 2) -> list[DistillPrompt]:
+def wikitext_prompts(per_paragraph: int = 2, skip: int = 0) -> list[DistillPrompt]:
+    """`per_paragraph` instruction templates wrapped around each train paragraph, rotating from a per-paragraph
+    start; `skip` leaves out the first ones, so a top-up set (skip = the main set's per_paragraph) asks new questions
+    of the same paragraphs and no prompt id repeats across the sets."""
+    if skip < 0 or skip + per_paragraph > len(WIKI_TEMPLATES):
+        raise UserError(f"wikitext_from={skip} + wikitext_per_paragraph={per_paragraph} must be within the "
+                        f"{len(WIKI_TEMPLATES)} templates (train.distill_prompts.WIKI_TEMPLATES)")
     out = []
     for pid, text in wikitext_paragraphs():
         first = int(hashlib.sha256(pid.encode()).hexdigest(), 16) % len(WIKI_TEMPLATES)
-        for j in range(per_paragraph):
+        for j in range(skip, skip + per_paragraph):
             name, tmpl = WIKI_TEMPLATES[(first + j) % len(WIKI_TEMPLATES)]
             out.append(DistillPrompt(f"wt2p-{pid}-{name}", f"wikitext_{name}", tmpl.format(text=text)))
     return out
@@ -262,7 +268,7 @@ def built_prompts(cfg) -> list[DistillPrompt]:
         "python_stdlib": stdlib_task_prompts,
         "stdlib_source": lambda: stdlib_source_prompts(int(cfg.get("stdlib_source_limit", 600))),
         "specbench": specbench_prompts,
-        "wikitext": lambda: wikitext_prompts(int(cfg.get("wikitext_per_paragraph", 2))),
+        "wikitext": lambda: wikitext_prompts(int(cfg.get("wikitext_per_paragraph", 2)), int(cfg.get("wikitext_from", 0))),
     }
     unknown = [s for s in cfg.sources if s not in makers]
     if unknown:
