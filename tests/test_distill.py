@@ -105,6 +105,22 @@ def test_repeated_items_land_in_different_batches():
     assert any(len({len(out[i]["ids"]) for i in b}) < 4 for b in plain)
 
 
+def test_distill_recipes_compose_with_a_cap_per_folder():
+    """Each conf/distill_recipe file composes onto conf/distill.yaml and pins every data folder's shard count, so a
+    top-up that grows later does not change the data a recipe names."""
+    from hydra import compose, initialize_config_dir
+
+    from utils.cli import CONF_DIR
+
+    recipes = sorted(p.stem for p in (CONF_DIR / "distill_recipe").glob("*.yaml"))
+    assert "chat2mix" in recipes
+    for name in recipes:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose("distill", overrides=[f"+distill_recipe={name}"])
+        assert cfg.name == name and cfg.student.init
+        assert len(cfg.data.max_shards) == len(cfg.data.responses) and None not in list(cfg.data.max_shards)
+
+
 def test_leviathan_speedup():
     assert leviathan_speedup(0.0, 0.1) == {"speedup": 1.0, "gamma": 0}  # no draft beats a useless one
     r = leviathan_speedup(0.8, 0.1)

@@ -303,22 +303,27 @@ def test_responses_list_adds_a_top_up_set_of_the_same_width(tmp_path, tiny_pair)
     from train.distill import build_data
 
     main = compose_data(tmp_path, "max_shards=1")
-    extra = compose_data(tmp_path, "max_shards=1", f"out_root={tmp_path / 'extra'}", f"seq_dir={tmp_path / 'seqs2'}",
+    extra = compose_data(tmp_path, "max_shards=2", f"out_root={tmp_path / 'extra'}", f"seq_dir={tmp_path / 'seqs2'}",
                          "responses.temperatures=[1.0]", "seed=1")
     wide = compose_data(tmp_path, "max_shards=1", f"out_root={tmp_path / 'wide'}", f"seq_dir={tmp_path / 'seqs3'}",
                         "topk=6")
     folders = [dd.run(c) for c in (main, extra, wide)]
 
-    def data(*chosen):
+    def data(*chosen, caps="null"):
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             dcfg = compose("distill", overrides=[
-                "pair=tiny_random", f"data.responses=[{','.join(str(f) for f in chosen)}]",
+                "pair=tiny_random", f"data.responses=[{','.join(str(f) for f in chosen)}]", f"data.max_shards={caps}",
                 f"data.cache_dir={tmp_path / 'cache'}", "data.text.chunks=0",
                 "data.heldout=[{dataset: mbpp, split: validation, limit: 1}]", "data.heldout_text_chunks=1"])
         return build_data(tiny_pair, dcfg)[0]
 
     sizes = [len(dd.load_items(f)[0]) for f in folders[:2]]
     assert len(data(*folders[:2])) == sum(sizes) and min(sizes) > 0
+    # a list caps each folder (a top-up that grows later still gives a finished run its data back)
+    first = len(dd.load_items(folders[1], 1)[0])
+    assert 0 < first < sizes[1] and len(data(*folders[:2], caps="[null,1]")) == sizes[0] + first
+    with pytest.raises(UserError, match="3 caps for 2"):
+        data(*folders[:2], caps="[1,1,1]")
     with pytest.raises(UserError, match="top-6"):
         data(folders[0], folders[2])
 

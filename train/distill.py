@@ -179,8 +179,13 @@ def build_data(pair: Pair, cfg: DictConfig) -> tuple[list[dict], list[dict], lis
     from train.distill_data import load_items
 
     folders = d.get("responses") or []
-    for j, folder in enumerate([folders] if isinstance(folders, str) else list(folders)):
-        items, made = load_items(Path(os.path.expanduser(str(folder))), d.get("max_shards") if j == 0 else None)
+    folders = [folders] if isinstance(folders, str) else list(folders)
+    caps = d.get("max_shards")  # one number pins the first folder; a list pins each folder (null: all its shards)
+    caps = list(caps) if OmegaConf.is_list(caps) or isinstance(caps, list) else [caps]
+    if len(caps) > max(1, len(folders)):
+        raise UserError(f"data.max_shards lists {len(caps)} caps for {len(folders)} data.responses folder(s)")
+    for j, folder in enumerate(folders):
+        items, made = load_items(Path(os.path.expanduser(str(folder))), caps[j] if j < len(caps) else None)
         if made.get("tokenizer_hash") != pair.tokenizer_hash:
             raise UserError(f"data.responses={folder} was made with another tokenizer than pair {pair.name}'s")
         if j and int(made["topk"]) != topk:
