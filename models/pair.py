@@ -235,12 +235,23 @@ def _gguf_file(src: DictConfig, cache: Path) -> Path:
     return _package_file(src.package, src.file)
 
 
+def _gguf_key(gguf: Path, edge: int = 8 << 20) -> str:
+    """The dequantized cache's key: the file's size and its first and last 8 MiB (the header, which lists every tensor,
+    and the last tensors' bytes). Content, not path or mtime, so a reinstalled package or a new venv reuses the cache
+    instead of writing another 0.5-7 GB copy; hashing the ends, not all of a multi-GB file, keeps loads fast."""
+    size = gguf.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with open(gguf, "rb") as fh:
+        digest.update(fh.read(edge))
+        fh.seek(max(size - edge, 0))
+        digest.update(fh.read(edge))
+    return digest.hexdigest()[:12]
+
+
 def _gguf_to_cache(src: DictConfig, cache: Path) -> Path:
     """Dequantize a GGUF once into a safetensors directory (~20-50 s); later loads read it in seconds."""
     gguf = _gguf_file(src, cache)
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
-    out = cache / "hf" / f"{gguf.stem}-{key}"
+    out = cache / "hf" / f"{gguf.stem}-{_gguf_key(gguf)}"
     if (out / "config.json").is_file():
         return out
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig

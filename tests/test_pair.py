@@ -186,3 +186,22 @@ def _burn(seconds: float) -> None:
     end = time.time() + seconds
     while time.time() < end:
         pass
+
+
+def test_gguf_cache_key_follows_content_not_path(tmp_path):
+    """A reinstalled package (new path, new mtime) reuses the dequantized cache; a different file does not."""
+    import os
+
+    from models.pair import _gguf_key
+
+    blob = os.urandom(40_000)
+    a, b = tmp_path / "a" / "m.gguf", tmp_path / "b" / "m.gguf"
+    for path in (a, b):
+        path.parent.mkdir()
+        path.write_bytes(blob)
+    os.utime(b, (1, 1))
+    assert _gguf_key(a, edge=1024) == _gguf_key(b, edge=1024)
+    b.write_bytes(blob[:-1] + bytes([blob[-1] ^ 1]))  # the last byte: inside the hashed tail
+    assert _gguf_key(a, edge=1024) != _gguf_key(b, edge=1024)
+    b.write_bytes(blob + b"x")  # same ends, another size
+    assert _gguf_key(a, edge=1024) != _gguf_key(b, edge=1024)
