@@ -17,7 +17,10 @@ expected-value stop rule) reads this curve instead:
   `target_tree_ms[n-1]`, one verification pass over the pending token + n-1 tree nodes (tree-attention mask). A
   tree's level call and masked pass cost more than a chain's one-token call and causal pass of the same size; priced
   as the chain's, the cost model overstated trees' speedups by 9-15% on a 2-core EPYC (results/tree_wall). Profiles
-  measured before them lack both (None): their tree rounds are priced as chains.
+  measured before them lack both (None): their tree rounds are priced as chains. The tree curve runs to
+  `max_tree_n` (33: the builders' 32 nodes + the pending token), past the chain's `max_n`: read past its end, a
+  curve is extrapolated from its last two points, which the monotone fit often leaves equal — flat — and on that
+  the builders chose 20-33-token passes that cost 1.3-1.6× a 17-token one (Intel Xeon, 2026-11-28).
 Each is the median of `repeats` timed calls after warm-up, through `models.lm.LM` (the loop's own code path), at
 a context of `context` tokens; the three curves over n (`target_ms`, `target_tree_ms`, `draft_level_ms`) are then
 made non-decreasing by isotonic regression (`monotone`; the medians stay in `extra.raw_ms`). Why: on a 2-core EPYC
@@ -218,6 +221,7 @@ def profile_key(pair, settings: DictConfig) -> dict:
             "device": str(pair.device), "threads": torch.get_num_threads(), "torch": torch.__version__,
             "machine": machine(), "max_n": int(settings.max_n), "context": int(settings.context),
             "max_level": int(settings.get("max_level", 0) or 0), "tree": bool(settings.get("tree", True)),
+            "max_tree_n": int(settings.get("max_tree_n") or settings.max_n),
             "prefill_lengths": [int(x) for x in settings.prefill_lengths]}
 
 
@@ -287,7 +291,8 @@ def measure(pair, settings: DictConfig, progress: bool = True) -> CostProfile:
 
     repeats, warmup = int(settings.repeats), int(settings.warmup)
     gen = torch.Generator().manual_seed(0)
-    longest = max(int(settings.max_n), int(settings.get("max_level", 0) or 0))
+    tree_n = int(settings.get("max_tree_n") or settings.max_n)
+    longest = max(int(settings.max_n), tree_n, int(settings.get("max_level", 0) or 0))
     ids = torch.randint(100, max(pair.vocab_size - 1, 101), (max(int(settings.context),
                         max(settings.prefill_lengths)) + longest + 2,), generator=gen).tolist()
     clock = Clock(pair.device)
@@ -319,7 +324,7 @@ def measure(pair, settings: DictConfig, progress: bool = True) -> CostProfile:
     probes.update({("draft_level", n): _tree_probe(draft, dcache, ids, c, n, 0) for n in range(1, levels + 1)})
     probes.update({("target", n): step(target, tcache, n, n) for n in range(1, max_n + 1)})
     probes.update({("target_tree", n): _tree_probe(target, tcache, ids, c, n, 1)
-                   for n in range(1, max_n + 1) if settings.get("tree", True)})
+                   for n in range(1, tree_n + 1) if settings.get("tree", True)})
     for length in lengths:
         probes[("prefill_target", length)] = lambda L=length: target(ids[:L], target.new_cache(), last=1)
         probes[("prefill_draft", length)] = lambda L=length: draft(ids[:L], draft.new_cache(), last=1)

@@ -22,7 +22,7 @@ from models.distributions import draft_probs
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-SMALL = {"max_n": 4, "max_level": 6, "context": 16, "prefill_lengths": [8, 16], "repeats": 2, "warmup": 1}
+SMALL = {"max_n": 4, "max_tree_n": 5, "max_level": 6, "context": 16, "prefill_lengths": [8, 16], "repeats": 2, "warmup": 1}
 
 
 def flat_profile(c: float, target_ms=None) -> CostProfile:
@@ -40,7 +40,7 @@ def test_profile_is_measured_once_then_cached(tiny_pair, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECSTOP_CACHE", str(tmp_path))
     prof = get_profile(tiny_pair, SMALL)
     assert len(prof.target_ms) == 4 and len(prof.draft_ms) == 2 and len(prof.prefill_target_ms) == 2
-    assert len(prof.draft_level_ms) == 6 and len(prof.target_tree_ms) == 4  # token trees' calls (max_level, max_n)
+    assert len(prof.draft_level_ms) == 6 and len(prof.target_tree_ms) == 5  # token trees' calls (max_level, max_tree_n)
     assert all(t > 0 for t in prof.target_ms + prof.draft_ms + prof.prefill_draft_ms + prof.draft_level_ms
                + prof.target_tree_ms)
     assert prof.key["dtype"] == "float32" and prof.key["threads"] == 1
