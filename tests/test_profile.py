@@ -22,7 +22,8 @@ from models.distributions import draft_probs
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-SMALL = {"max_n": 4, "max_tree_n": 5, "max_level": 6, "context": 16, "prefill_lengths": [8, 16], "repeats": 2, "warmup": 1}
+SMALL = {"max_n": 4, "max_tree_n": 5, "max_level": 6, "context": 16, "prefill_lengths": [8, 16], "repeats": 2,
+         "warmup": 1}
 
 
 def flat_profile(c: float, target_ms=None) -> CostProfile:
