@@ -20,7 +20,7 @@ expected-value stop rule) reads this curve instead:
   measured before them lack both (None): their tree rounds are priced as chains. The tree curve runs to
   `max_tree_n` (33: the builders' 32 nodes + the pending token), past the chain's `max_n`: read past its end, a
   curve is extrapolated from its last two points, which the monotone fit often leaves equal — flat — and on that
-  the builders chose 20-33-token passes that cost 1.3-1.6× a 17-token one (Intel Xeon, 2026-11-28).
+  the builders chose 20-33-token passes that cost 1.2-1.4× a 13-token one (Intel Xeon, 2026-11-28).
 Each is the median of `repeats` timed calls after warm-up, through `models.lm.LM` (the loop's own code path), at
 a context of `context` tokens; the three curves over n (`target_ms`, `target_tree_ms`, `draft_level_ms`) are then
 made non-decreasing by isotonic regression (`monotone`; the medians stay in `extra.raw_ms`). Why: on a 2-core EPYC
