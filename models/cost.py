@@ -209,6 +209,11 @@ def _interp(x, xs, ys):
 # ---------------------------------------------------------------------------------------------------- measuring
 
 
+def tree_passes(settings: DictConfig) -> int:
+    """The largest tree pass the profile times (`max_tree_n`; settings without it: the chain's `max_n`)."""
+    return int(settings.get("max_tree_n") or settings.max_n)
+
+
 def profile_key(pair, settings: DictConfig) -> dict:
     """What the profile depends on: the same key reuses the cached measurement."""
     from models.lm_head import INT8_FLOAT_ROWS
@@ -221,7 +226,7 @@ def profile_key(pair, settings: DictConfig) -> dict:
             "device": str(pair.device), "threads": torch.get_num_threads(), "torch": torch.__version__,
             "machine": machine(), "max_n": int(settings.max_n), "context": int(settings.context),
             "max_level": int(settings.get("max_level", 0) or 0), "tree": bool(settings.get("tree", True)),
-            "max_tree_n": int(settings.get("max_tree_n") or settings.max_n),
+            "max_tree_n": tree_passes(settings),
             "prefill_lengths": [int(x) for x in settings.prefill_lengths]}
 
 
@@ -291,7 +296,7 @@ def measure(pair, settings: DictConfig, progress: bool = True) -> CostProfile:
 
     repeats, warmup = int(settings.repeats), int(settings.warmup)
     gen = torch.Generator().manual_seed(0)
-    tree_n = int(settings.get("max_tree_n") or settings.max_n)
+    tree_n = tree_passes(settings)
     longest = max(int(settings.max_n), tree_n, int(settings.get("max_level", 0) or 0))
     ids = torch.randint(100, max(pair.vocab_size - 1, 101), (max(int(settings.context),
                         max(settings.prefill_lengths)) + longest + 2,), generator=gen).tolist()
