@@ -48,6 +48,7 @@ def test_profile_is_measured_once_then_cached(tiny_pair, tmp_path, monkeypatch):
     for curve in ("target_ms", "target_tree_ms", "draft_level_ms"):  # non-decreasing in n, the medians kept beside
         ys, raw = getattr(prof, curve), prof.extra["raw_ms"][curve]
         assert all(a <= b for a, b in zip(ys, ys[1:])) and len(raw) == len(ys)
+    assert all(t >= c for t, c in zip(prof.target_tree_ms, prof.target_ms))  # `tree_curve`'s floor
     assert list((tmp_path / "profiles").glob("tiny_random-*.json"))
     monkeypatch.setattr(dp, "measure", lambda *a, **k: pytest.fail("measured again despite the cache"))
     again = get_profile(tiny_pair, SMALL)
@@ -118,6 +119,14 @@ def test_cost_model_charges_longer_verification():
     assert steep < flat
     assert modeled_ms(spec, flat_profile(0.1, target_ms=[1.0, 1.2, 1.4, 1.6, 1.8])) == pytest.approx(
         1.0 + 4 * 1.8 + 0.1 + 19 * 0.1)
+
+
+def test_a_tree_pass_is_never_priced_below_the_causal_pass_of_its_size():
+    """`tree_curve`: a tree point measured under the causal curve is lifted to it (the same products plus a mask);
+    past the causal curve's end the tree's own points stand; the result is non-decreasing."""
+    from models.cost import tree_curve
+
+    assert tree_curve([0.9, 1.3, 1.0, 2.0, 1.9], [1.0, 1.2, 1.4]) == pytest.approx([1.0, 1.3, 1.4, 1.95, 1.95])
 
 
 def test_tree_rounds_are_priced_by_their_own_curves():
