@@ -237,6 +237,49 @@ def test_expected_value_policy_reads_score_and_profile():
     assert pol.describe()["score"] == "neg_entropy"
 
 
+def test_expected_value_online_calibration_follows_the_revealed_acceptance():
+    """`adapt: online`: b moves towards the acceptance the verifications reveal — down when confident tokens keep
+    being rejected, up when they are accepted — only accepted tokens and the first rejection count, b carries across
+    prompts unless `per_prompt_reset`, and a pessimistic b drafts shorter rounds."""
+    from decode.policies import ExpectedValue
+
+    confident = torch.tensor([0.9] + [0.1 / 49] * 49)
+
+    def run_round(pol, drafted, accepted):
+        for j in range(drafted):
+            pol.should_stop(step(confident, pos_in_round=j))
+        pol.observe(drafted, accepted)
+
+    rejected, accepted = (ExpectedValue(profile=ev_profile(), adapt="online", lr=0.1) for _ in range(2))
+    for _ in range(30):
+        run_round(rejected, 3, 0)
+        run_round(accepted, 3, 3)
+    assert rejected.b < -1.0 and accepted.b > 0.5  # (1 − p) shrinks as p nears 1: up slowly
+    # a round of 3 drafted, 1 accepted reveals two tokens (one y = 1, one y = 0): the third is not seen
+    pol = ExpectedValue(profile=ev_profile(), adapt="online", lr=0.1, b=0.0)
+    run_round(pol, 3, 1)
+    p = 0.9  # σ(logit 0.9 + 0)
+    p2 = 1 / (1 + math.exp(-(math.log(9) + 0.1 * (1 - p))))
+    assert pol.b == pytest.approx(0.1 * (1 - p) + 0.1 * (0 - p2))
+    pol.reset()
+    assert pol.b != 0.0
+    fresh = ExpectedValue(profile=ev_profile(), adapt="online", per_prompt_reset=True, b=0.0)
+    run_round(fresh, 3, 0)
+    fresh.reset()
+    assert fresh.b == 0.0
+    # the rule drafts fewer tokens under the pessimistic calibration than under the fixed one
+    def drafted(pol):
+        j = 0
+        while j < 16 and not pol.should_stop(step(confident, pos_in_round=j)):
+            j += 1
+        return j + 1
+    assert drafted(rejected) < drafted(ExpectedValue(profile=ev_profile()))
+    assert ExpectedValue(profile=ev_profile()).describe()["b"] == 0.0 and "adapt" not in ExpectedValue(
+        profile=ev_profile()).describe()
+    with pytest.raises(UserError, match="none or online"):
+        ExpectedValue(profile=ev_profile(), adapt="ema")
+
+
 def test_learned_head_under_the_expected_value_rule(tiny_pair):
     """`policy.learned.rule=expected_value` stops by the same rule on the head's P(accept)."""
     import tests.test_decode as td

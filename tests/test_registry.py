@@ -92,7 +92,7 @@ def test_capabilities_are_declared_on_the_classes():
     assert {n for n, c in caps.items() if c.external} == {"hf_assisted"}
     assert {n for n, c in caps.items() if c.oracle} == {"oracle"}
     trees = {"tree_static", "sequoia", "eagle2", "c2t", "learned_tree"}
-    assert {n for n, c in caps.items() if c.needs_profile} == {"expected_value", *trees}
+    assert {n for n, c in caps.items() if c.needs_profile} == {"expected_value", "expected_value_online", *trees}
     assert {n for n, c in caps.items() if c.tree} == trees
     assert {n for n, c in caps.items() if c.approximate} == {"sprinter"}
 
