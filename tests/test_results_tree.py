@@ -2,10 +2,11 @@
 
 Every file under results/ belongs to a section of conf/study.yaml (eval.study's manifest) whose commands name modules
 that exist, and is a file one of those modules writes: its name appears in the writer's source (WRITERS), or the
-command names the file's path. Folders other commands fill (conf/study.yaml `elsewhere`: the bench scripts) pass
-when a bench script writing into them names the file. No version-suffixed or rerun folders, no checkpoints, at most
-6 MiB. results/README.md and README.md's results block are exactly what `python -m eval.study` writes from the files,
-and every shipped head carries the command that made it.
+command names the file's path. Folders other commands fill (conf/study.yaml `elsewhere`: the bench scripts) pass when
+a bench script writing into them names the file. No version-suffixed or rerun folders, no checkpoints, at most 7 MiB
+(6 until 2026-11-28: the token-tree wall runs' per-prompt rows, whose round sizes and tree levels are what a check of
+the cost model against the clock reads, are ~0.9 MiB each). results/README.md and README.md's results block are
+exactly what `python -m eval.study` writes from the files, and every shipped head carries the command that made it.
 """
 
 from __future__ import annotations
@@ -149,7 +150,7 @@ def test_no_superseded_runs_or_checkpoints_and_small():
                                    for pat in ("*_v[0-9]*", "*_rerun*", "*.ckpt", "*.pt", "*.safetensors"))]
     assert bad == []
     size = sum((RESULTS / f).stat().st_size for f in files)
-    assert size <= 6 * 2**20, f"results/ holds {size / 2**20:.1f} MiB; keep it under 6 MiB"
+    assert size <= 7 * 2**20, f"results/ holds {size / 2**20:.1f} MiB; keep it under 7 MiB"
 
 
 def test_json_text_puts_number_lists_on_one_line_and_round_trips():
