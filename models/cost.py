@@ -223,8 +223,9 @@ def profile_key(pair, settings: DictConfig) -> dict:
     draft = OmegaConf.to_container(pair.cfg.draft, resolve=True) if isinstance(pair.cfg, DictConfig) else {}
     if draft.get("quantize") == "int8":  # where an int8 draft's products switch kernels changes its many-row calls
         draft.setdefault("int8_float_rows", INT8_FLOAT_ROWS)
-    return {"pair": pair.pair_id, "draft": draft, "dtype": str(pair.dtype).replace("torch.", ""), "fit": "monotone, tree >= causal",
-            "linear": getattr(pair, "linear", "torch"), "forward": getattr(pair, "forwards", {}),
+    return {"pair": pair.pair_id, "draft": draft, "dtype": str(pair.dtype).replace("torch.", ""),
+            "fit": "monotone, tree >= causal", "linear": getattr(pair, "linear", "torch"),
+            "forward": getattr(pair, "forwards", {}),
             "device": str(pair.device), "threads": torch.get_num_threads(), "torch": torch.__version__,
             "machine": machine(), "max_n": int(settings.max_n), "context": int(settings.context),
             "max_level": int(settings.get("max_level", 0) or 0), "tree": bool(settings.get("tree", True)),
