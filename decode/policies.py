@@ -232,11 +232,11 @@ class ExpectedValue(StopPolicy):
                  adapt: str = "none", lr: float = 0.05, per_prompt_reset: bool = False):
         super().__init__(max_len)
         if score not in ("max_q", "neg_entropy"):
-            raise UserError(f"policy.expected_value.score must be max_q or neg_entropy, got '{score}'")
+            raise UserError(f"policy.{self.name}.score must be max_q or neg_entropy, got '{score}'")
         if adapt not in ("none", "online"):
-            raise UserError(f"policy.expected_value.adapt must be none or online, got '{adapt}'")
+            raise UserError(f"policy.{self.name}.adapt must be none or online, got '{adapt}'")
         if not float(lr) > 0:
-            raise UserError(f"policy.expected_value.lr must be > 0, got {lr}")
+            raise UserError(f"policy.{self.name}.lr must be > 0, got {lr}")
         self.score, self.a, self.b0 = score, float(a), float(b)
         self.b = self.b0
         self.adapt, self.lr, self.per_prompt_reset = adapt, float(lr), bool(per_prompt_reset)
@@ -253,9 +253,6 @@ class ExpectedValue(StopPolicy):
             m = min(max(float(step.probs.max()), 1e-6), 1 - 1e-6)
             return math.log(m / (1 - m))
         return -float(step.entropy)
-
-    def prob(self, step: DraftStep) -> float:
-        return platt(self._x(step), self.a, self.b)
 
     def should_stop(self, step):
         if step.position_in_round == 0:
@@ -287,9 +284,8 @@ class ExpectedValueOnline(ExpectedValue):
 
     name = "expected_value_online"
 
-    def __init__(self, score: str = "max_q", a: float = 1.0, b: float = 0.0, max_len: int = 16, profile=None,
-                 adapt: str = "online", lr: float = 0.05, per_prompt_reset: bool = False):
-        super().__init__(score, a, b, max_len, profile, adapt, lr, per_prompt_reset)
+    def __init__(self, adapt: str = "online", **params):
+        super().__init__(adapt=adapt, **params)
 
 
 class MaxConfidence(StopPolicy):
