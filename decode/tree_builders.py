@@ -18,15 +18,9 @@ from __future__ import annotations
 import operator
 
 import numpy as np
-import torch
 
 from decode.policies import StopPolicy
 from utils.cli import UserError
-
-
-def _top(q: torch.Tensor, k: int) -> list[tuple[int, float, int]]:
-    v, i = q.topk(k)
-    return [(int(t), float(p), r + 1) for r, (p, t) in enumerate(zip(v.tolist(), i.tolist()))]
 
 
 class TreeBuilder(StopPolicy):
@@ -203,7 +197,7 @@ class TreeStatic(TreeBuilder):
         return max(range(1, len(branching) + 1), key=speed)
 
     def children(self, tree, parent, level):
-        return _top(tree.dist(parent), self.branching[level - 1])
+        return tree.top(parent, self.branching[level - 1])
 
     def expand(self, tree, new, level):
         return new if level < self.max_depth else []
@@ -277,7 +271,7 @@ class Sequoia(GrownTree):
         spec = self._spec(parent)
         if not spec:
             return []
-        top = _top(tree.dist(parent), max(r for _, r in spec))
+        top = tree.top(parent, max(r for _, r in spec))
         out = []
         for j, rank in spec:
             self._node_shape[len(tree) + len(out)] = j  # the index tree.add will give it (children are added in order)
@@ -343,7 +337,7 @@ class Eagle2(GrownTree):
         self.threshold = None if threshold is None else float(threshold)
 
     def children(self, tree, parent, level):
-        return _top(tree.dist(parent), self.topk)
+        return tree.top(parent, self.topk)
 
     def replay_children(self, tree, parent, candidate, cparent, level):
         kids = sorted((r, i) for i, (p, r) in enumerate(zip(candidate.parents, candidate.rank))

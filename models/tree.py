@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from models.distributions import draft_probs
-from models.features import COPY, NODE_VERIFY
+from models.distributions import draft_probs, entropy
+from models.features import COPY, DEFAULT_TOPK, NODE_VERIFY
 from models.lm import tree_attention
 
 
@@ -34,7 +34,9 @@ class Tree:
     after the round (decode and traces push the committed tokens onto it): read it while the tree is the round's.
     `support`: the draft's reduced vocabulary (models.lm.LM.support; None for a full head), outside which every q
     is 0, so node features read q there (`node_columns`). `policy_s`: seconds `grow` spent in the expander (a
-    builder's own work — a node head's features and scores — which decode books as policy time, not draft time)."""
+    builder's own work — a node head's features and scores — which decode books as policy time, not draft time).
+    `stats(node, k)` / `q_token(node)` cache what the builders' children and the node features read of a
+    distribution, so each is computed once per node and round."""
 
     root_q: torch.Tensor
     tokens: list[int] = field(default_factory=list)
@@ -51,6 +53,8 @@ class Tree:
     verify: tuple | None = None
     support: torch.Tensor | None = None
     policy_s: float = 0.0
+    _stats: dict = field(default_factory=dict, repr=False)
+    _q_token: dict = field(default_factory=dict, repr=False)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -65,6 +69,37 @@ class Tree:
 
     def dist(self, node: int) -> torch.Tensor:
         return self.root_q if node < 0 else self.q[node]
+
+    def stats(self, node: int, k: int = DEFAULT_TOPK, support=None) -> tuple[torch.Tensor, ...]:
+        """(the k largest probabilities of the draft's distribution after `node`, best first; their tokens; its
+        entropy), read on the draft's support (`support` or the tree's; zeros off it add nothing: the values of
+        models.features.DraftStep's top-k and entropy, a sixth of the work on an 8k-of-49k FR-Spec draft). Cached
+        per node for the tree's own support and at least DEFAULT_TOPK wide: a level's children (the builders' top-k)
+        and its node features (the learned builders' rows) read one top-k and one entropy per parent, not three."""
+        own, width = support is None or support is self.support, max(k, DEFAULT_TOPK)
+        have = self._stats.get(node) if own else None
+        if have is None or len(have[0]) < k:
+            q, support = self.dist(node), self.support if own else support
+            mass = q if support is None else q.index_select(-1, support)
+            if mass.shape[-1] < width:  # a support narrower than k: the zeros off it fill the tail
+                mass, support = q, None
+            v, i = mass.topk(min(width, mass.shape[-1]))
+            have = (v, i if support is None else support[i], entropy(mass))
+            if own:
+                self._stats[node] = have
+        return have[0][:k], have[1][:k], have[2]
+
+    def top(self, node: int, k: int) -> list[tuple[int, float, int]]:
+        """The k most likely children of `node` as (token, prob, rank), best first: what a builder adds under it."""
+        v, i, _ = self.stats(node, k)
+        return [(int(t), float(p), r + 1) for r, (p, t) in enumerate(zip(v.tolist(), i.tolist()))]
+
+    def q_token(self, node: int) -> float:
+        """The draft's probability of the node's token after its parent (cached: a level's rows read it as their
+        q_token, the next level's as their parent_q)."""
+        if node not in self._q_token:
+            self._q_token[node] = float(self.dist(self.parents[node])[self.tokens[node]])
+        return self._q_token[node]
 
     def children(self, nodes: list[int]) -> dict[int, list[int]]:
         """Parent → its children among `nodes`, in rank order (the order verification tries them)."""
@@ -126,16 +161,16 @@ def node_columns(tree: Tree, nodes: list[int], k: int, support=None, groups=()) 
     decode exactly what it was trained on.
 
     draft_topk / draft_entropy are those of the distribution the node was drawn from (its parent's, `tree.dist`),
-    through models.features.DraftStep, the extractor decode's chain policies read (`support`: the draft's reduced
-    vocabulary, same values); q_token = that distribution at the node's token; parent_q = the parent's own q_token
-    (1.0 for the root's children). `support` defaults to the tree's. Ints are int32, floats float32; draft_topk is
-    (len(nodes), k), omitted for k = 0.
+    the values of models.features.DraftStep, the extractor decode's chain policies read (`Tree.stats`; `support`:
+    the draft's reduced vocabulary, same values); q_token = that distribution at the node's token; parent_q = the
+    parent's own q_token (1.0 for the root's children). `support` defaults to the tree's. Ints are int32, floats
+    float32; draft_topk is (len(nodes), k), omitted for k = 0.
     `groups` adds NODE_GROUP_COLUMNS: `verify` reads `tree.verify`, `copy` `tree.context`
     (models.features.node_copy_columns); a tree without them is refused.
     """
     import numpy as np
 
-    from models.features import DraftStep, node_copy_columns
+    from models.features import node_copy_columns
 
     unknown = set(groups) - set(NODE_GROUP_COLUMNS)
     if unknown:
@@ -147,32 +182,22 @@ def node_columns(tree: Tree, nodes: list[int], k: int, support=None, groups=()) 
             raise RuntimeError(f"node features of group {group} need {what}; grow the tree with {group}=... "
                                "(decode.loop does for builders whose head asks)")
 
-    support = tree.support if support is None else support
     nodes = list(nodes)
-    cols: dict[str, list] = {name: [] for name in NODE_COLUMNS}
-    # the parents' distributions as one (parents, V) batch: one top-k, one entropy and one gather of the nodes' q
-    # instead of one of each per parent and per node (a learned builder asks this every level of every round)
+    width = max(k, 1)
     parents = list(dict.fromkeys(tree.parents[i] for i in nodes))
+    stats = [tree.stats(p, width, support) for p in parents]  # once per parent, shared with the builder's children
     row = {p: j for j, p in enumerate(parents)}
     rows = [row[tree.parents[i]] for i in nodes]
-    dists = [tree.dist(p) for p in parents]  # none for no nodes: a (0, V) batch gives the empty columns
-    step = DraftStep(probs=torch.stack(dists) if dists else tree.root_q.new_zeros((0, tree.root_q.shape[-1])),
-                     token=-1, hidden=None, position_in_round=0, position=0, support=support)
-    cols["q_token"] = step.probs[rows, [tree.tokens[i] for i in nodes]].float().tolist()
-    cols["draft_entropy"] = step.entropy[rows].float().tolist()
-    for i in nodes:
-        par = tree.parents[i]
-        cols["node"].append(i)
-        cols["parent"].append(par)
-        cols["depth"].append(tree.depth[i])
-        cols["rank"].append(tree.rank[i])
-        cols["token"].append(tree.tokens[i])
-        cols["joint"].append(tree.joint[i])
-        cols["parent_q"].append(1.0 if par < 0 else float(tree.dist(tree.parents[par])[tree.tokens[par]]))
     ints = {"node", "parent", "depth", "rank", "token"}
-    out = {name: np.asarray(v, dtype=np.int32 if name in ints else np.float32) for name, v in cols.items()}
+    take = {"node": nodes, "parent": [tree.parents[i] for i in nodes], "depth": [tree.depth[i] for i in nodes],
+            "rank": [tree.rank[i] for i in nodes], "token": [tree.tokens[i] for i in nodes],
+            "q_token": [tree.q_token(i) for i in nodes], "joint": [tree.joint[i] for i in nodes],
+            "draft_entropy": [float(stats[j][2]) for j in rows],
+            "parent_q": [1.0 if tree.parents[i] < 0 else tree.q_token(tree.parents[i]) for i in nodes]}
+    out = {name: np.asarray(take[name], dtype=np.int32 if name in ints else np.float32) for name in NODE_COLUMNS}
     if k > 0:
-        out["draft_topk"] = step.topk(k).float().cpu().numpy()[rows]
+        top = np.stack([s[0].float().numpy() for s in stats]) if stats else np.zeros((0, k), np.float32)
+        out["draft_topk"] = top[rows] if rows else np.zeros((0, k), np.float32)
     if "verify" in groups:
         for name, v in zip(NODE_GROUP_COLUMNS["verify"], tree.verify):
             out[name] = np.full(len(nodes), v, dtype=np.float32)
@@ -193,8 +218,7 @@ class TopkExpander:
         self.topk, self.max_depth = int(topk), int(max_depth)
 
     def children(self, tree: Tree, parent: int, level: int) -> list[tuple[int, float, int]]:
-        v, i = tree.dist(parent).topk(self.topk)
-        return [(int(t), float(p), r + 1) for r, (p, t) in enumerate(zip(v.tolist(), i.tolist()))]
+        return tree.top(parent, self.topk)
 
     def expand(self, tree: Tree, new: list[int], level: int) -> list[int]:
         return sorted(new, key=lambda i: -tree.joint[i])[: self.topk]

@@ -242,10 +242,11 @@ def test_learned_builders_are_target_greedy_and_refuse_chain_heads(close_tiny, n
 
 
 @pytest.mark.parametrize("support", [None, torch.arange(0, 400, 3)])
-def test_node_columns_batch_the_parents_and_match_the_one_extractor(support):
-    """node_columns reads the parents' distributions as one batch: each node's top-k and entropy are DraftStep's
-    for its own parent (the chain policies' extractor), its q_token that parent's probability of its token, for any
-    subset of nodes asked for (a learned builder asks level by level)."""
+def test_node_columns_read_each_parent_once_and_match_the_one_extractor(support):
+    """node_columns reads each parent's distribution once (Tree.stats, cached for the builders' children too): each
+    node's top-k and entropy are DraftStep's for its own parent (the chain policies' extractor), its q_token that
+    parent's probability of its token, for any subset of nodes asked for (a learned builder asks level by level);
+    the children a builder adds (Tree.top) are the top-k of the full distribution, read on the support."""
     from models.features import DraftStep
     from models.tree import node_columns
 
@@ -275,3 +276,10 @@ def test_node_columns_batch_the_parents_and_match_the_one_extractor(support):
             assert cols["draft_entropy"][j] == pytest.approx(float(one.entropy), rel=1e-6)
             assert cols["q_token"][j] == np.float32(t.dist(par)[t.tokens[i]])
             assert cols["parent_q"][j] == (1.0 if par < 0 else np.float32(t.dist(t.parents[par])[t.tokens[par]]))
+    for node in (-1, 0, 1, 4):
+        v, i = t.dist(node).topk(4)
+        assert [(tok, p) for tok, p, _ in t.top(node, 4)] == list(zip(i.tolist(), v.tolist()))
+        assert [r for _, _, r in t.top(node, 4)] == [1, 2, 3, 4]
+    cached = t._stats[0]
+    t.top(0, 3), node_columns(t, [3], 10)
+    assert t._stats[0] is cached  # computed once, read by children and rows
