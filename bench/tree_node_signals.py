@@ -1,5 +1,5 @@
-"""Would the draft's or the target's hidden state, or more training prompts, lift a node head past the joint
-probability (issue 30)?
+"""Would the draft's or the target's hidden state, more training prompts, or the draft's distribution after a node
+lift a node head past the joint probability (issue 30)?
 
     python -m bench.tree_node_signals [out_dir=results/trees]
 
@@ -135,9 +135,58 @@ def path_map(folder: Path, prompts: int) -> list[dict]:
     return out
 
 
+TREE_COLUMNS = ["prompt_id", "position", "node", "parent", "depth", "rank", "q_token", "joint", "draft_entropy",
+                "draft_topk", "root_target_entropy", "root_target_margin", "copy_len", "lookup_hit", "lookup_len",
+                "on_path"]
+
+
+def tree_probe_rows(folder: Path) -> dict:
+    """A tree trace's nodes as probe rows: `node` (what tree_plus_cond reads: rank, q, depth, the parent's q, the
+    parent distribution's entropy and top-k, the copy and verify groups), `look` (expanded, and the entropy and
+    top-2 of the draft's distribution after the node: its children's draft_entropy / draft_topk; 0 / −1 for a node
+    the draft never ran on), the on-path label, the conditional rows and each row's parent row."""
+    from data_gen.contract import trace_columns
+    from data_gen.store import load_traces
+    from models.features import parent_on_path_rows, parent_rows
+
+    ds, _ = load_traces(folder)
+    c = trace_columns(ds, TREE_COLUMNS)
+    par = parent_rows(c)
+    kids = np.flatnonzero(c["parent"] >= 0)
+    look = np.zeros((len(par), 4))
+    look[:, 1] = -1.0
+    look[par[kids]] = np.column_stack([np.ones(len(kids)), c["draft_entropy"][kids], c["draft_topk"][kids, :2]])
+    parent_q = np.where(c["parent"] >= 0, c["q_token"][np.maximum(par, 0)], 1.0)
+    node = np.column_stack([c["rank"], c["q_token"], c["depth"], parent_q, c["draft_entropy"], c["draft_topk"],
+                            *(c[k] for k in ("copy_len", "lookup_hit", "lookup_len", "root_target_entropy",
+                                             "root_target_margin"))])
+    y = c["on_path"].astype(bool)
+    return {"node": node, "look": look, "y": y, "cond": parent_on_path_rows(par, y), "par": par,
+            "joint": c["joint"], "q": c["q_token"]}
+
+
+def lookahead(train_folder: Path, test_folder: Path) -> dict:
+    """Conditional and path AUROC of the probe on the tree traces' node inputs, without and with the lookahead
+    (module docstring); the joint's path AUROC and q's conditional one beside."""
+    from models.features import compose_path
+
+    train, test = tree_probe_rows(train_folder), tree_probe_rows(test_folder)
+    out = {"train_nodes": int(len(train["y"])), "test_nodes": int(len(test["y"])),
+           "joint_path": float(roc_auc_score(test["y"], test["joint"])),
+           "q_cond": float(roc_auc_score(test["y"][test["cond"]], test["q"][test["cond"]]))}
+    for label, groups in (("node", ["node"]), ("+lookahead", ["node", "look"])):
+        model = HistGradientBoostingClassifier(max_iter=300, learning_rate=0.05, random_state=0)
+        model.fit(np.concatenate([train[g] for g in groups], 1)[train["cond"]], train["y"][train["cond"]])
+        s = model.predict_proba(np.concatenate([test[g] for g in groups], 1))[:, 1]
+        out[label] = {"cond": float(roc_auc_score(test["y"][test["cond"]], s[test["cond"]])),
+                      "path": float(roc_auc_score(test["y"], compose_path(s, test["par"], "product")))}
+    return out
+
+
 def run(cfg: DictConfig) -> None:
     folders = {name: repo_path(f"{cfg.traces}{name}") for name in ("train", "test-lim500")}
-    folders["tree"] = repo_path(cfg.tree_traces)
+    folders.update(tree=repo_path(cfg.tree_traces), tree_train=repo_path(cfg.tree_train),
+                   tree_test=repo_path(cfg.tree_test))
     for folder in folders.values():
         if not folder.exists():
             raise UserError(f"no traces at {folder}; make them with the commands in results/README.md "
@@ -157,6 +206,7 @@ def run(cfg: DictConfig) -> None:
     more_data = {label: auroc(more, test, SETS[label], pca_more) for label in MORE_DATA}
     q_token = float(roc_auc_score(test["y"], test["node"][:, 1]))
     synthetic = path_map(folders["tree"], int(cfg.tree_prompts))
+    look = lookahead(folders["tree_train"], folders["tree_test"])
     head = json.loads(repo_path(cfg.head_record).read_text())
     result = {"command": command("tree_node_signals"), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "pair": "smollm2_135m", "dtype": str(pair.dtype), "width": WIDTH, "principal_components": PCS,
@@ -165,7 +215,8 @@ def run(cfg: DictConfig) -> None:
               "test_prompts": TEST_PROMPTS, "test_rows": int(len(test["y"])),
               "positive_rate": float(test["y"].mean()), "q_token": q_token, "auroc": result_sets,
               "auroc_more_data": more_data, "tree_traces": str(cfg.tree_traces), "tree_prompts": int(cfg.tree_prompts),
-              "synthetic": synthetic, "head": {k: head.get(k) for k in HEAD_KEYS},
+              "synthetic": synthetic, "lookahead": look, "tree_train": str(cfg.tree_train),
+              "tree_test": str(cfg.tree_test), "head": {k: head.get(k) for k in HEAD_KEYS},
               "seconds": round(time.perf_counter() - start)}
     ratio = result["more_data_rows"] / result["train_rows"]
     lines = [f"Conditional node AUROC — is a child of an on-path parent the target's token? (`{result['command']}`, "
@@ -192,6 +243,16 @@ def run(cfg: DictConfig) -> None:
               f"{head['test/auroc_cond']:.4f} (q {head['test/auroc_cond_q_token']:.4f}), "
               f"path {head['test/auroc_path']:.4f} "
               f"(joint {head['test/auroc_path_joint']:.4f})."]
+    lines += ["", f"A tree's own signal, the draft's distribution after a node (expanded, its entropy and top-2; node "
+              f"heads' tree traces, {look['train_nodes']} train → {look['test_nodes']} test nodes of "
+              f"{cfg.tree_train} → {cfg.tree_test}). Joint's path AUROC {look['joint_path']:.4f}, q's conditional "
+              f"{look['q_cond']:.4f}:", "", "| probe inputs | conditional AUROC | path AUROC | path − joint |",
+              "|---|---|---|---|"]
+    for label in ("node", "+lookahead"):
+        row = look[label]
+        lines.append(f"| {label} | {row['cond']:.4f} | {row['path']:.4f} | {row['path'] - look['joint_path']:+.4f} |")
+    lines += ["", "node = tree_plus_cond's inputs: rank, q, depth, the parent's q, the parent distribution's entropy "
+              "and top-10, the copy and verify groups."]
     write_result(repo_path(cfg.out_dir), "tree_node_signals", result, lines)
 
 
