@@ -81,10 +81,11 @@ class Tree:
         if have is None or len(have[0]) < k:
             q, support = self.dist(node), self.support if own else support
             mass = q if support is None else q.index_select(-1, support)
+            ent = entropy(mass)  # on the support, as DraftStep reads it
             if mass.shape[-1] < width:  # a support narrower than k: the zeros off it fill the tail
                 mass, support = q, None
             v, i = mass.topk(min(width, mass.shape[-1]))
-            have = (v, i if support is None else support[i], entropy(mass))
+            have = (v, i if support is None else support[i], ent)
             if own:
                 self._stats[node] = have
         return have[0][:k], have[1][:k], have[2]
