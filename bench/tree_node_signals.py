@@ -135,42 +135,35 @@ def path_map(folder: Path, prompts: int) -> list[dict]:
     return out
 
 
-TREE_COLUMNS = ["prompt_id", "position", "node", "parent", "depth", "rank", "q_token", "joint", "draft_entropy",
-                "draft_topk", "root_target_entropy", "root_target_margin", "copy_len", "lookup_hit", "lookup_len",
-                "on_path"]
-
-
-def tree_probe_rows(folder: Path) -> dict:
-    """A tree trace's nodes as probe rows: `node` (what tree_plus_cond reads: rank, q, depth, the parent's q, the
-    parent distribution's entropy and top-k, the copy and verify groups), `look` (expanded, and the entropy and
-    top-2 of the draft's distribution after the node: its children's draft_entropy / draft_topk; 0 / −1 for a node
-    the draft never ran on), the on-path label, the conditional rows and each row's parent row."""
+def tree_probe_rows(folder: Path, spec) -> dict:
+    """A tree trace's nodes as probe rows: `node` (the row a node head of feature spec `spec` reads: the kind's
+    `from_columns`), `look` (expanded, and the entropy and top-2 of the draft's distribution after the node: its
+    children's draft_entropy / draft_topk; 0 / −1 for a node the draft never ran on), the on-path label, the
+    conditional rows and each row's parent row."""
     from data_gen.contract import trace_columns
     from data_gen.store import load_traces
-    from models.features import parent_on_path_rows, parent_rows
+    from models.features import feature_kind, parent_on_path_rows, parent_rows
 
+    kind = feature_kind(spec.kind)
     ds, _ = load_traces(folder)
-    c = trace_columns(ds, TREE_COLUMNS)
+    c = trace_columns(ds, list(dict.fromkeys([*kind.columns(spec), "parent", "draft_entropy", "draft_topk", "joint",
+                                              "q_token", "on_path"])))
     par = parent_rows(c)
     kids = np.flatnonzero(c["parent"] >= 0)
     look = np.zeros((len(par), 4))
     look[:, 1] = -1.0
     look[par[kids]] = np.column_stack([np.ones(len(kids)), c["draft_entropy"][kids], c["draft_topk"][kids, :2]])
-    parent_q = np.where(c["parent"] >= 0, c["q_token"][np.maximum(par, 0)], 1.0)
-    node = np.column_stack([c["rank"], c["q_token"], c["depth"], parent_q, c["draft_entropy"], c["draft_topk"],
-                            *(c[k] for k in ("copy_len", "lookup_hit", "lookup_len", "root_target_entropy",
-                                             "root_target_margin"))])
     y = c["on_path"].astype(bool)
-    return {"node": node, "look": look, "y": y, "cond": parent_on_path_rows(par, y), "par": par,
-            "joint": c["joint"], "q": c["q_token"]}
+    return {"node": kind.from_columns(c, spec).numpy(), "look": look, "y": y, "cond": parent_on_path_rows(par, y),
+            "par": par, "joint": c["joint"], "q": c["q_token"]}
 
 
-def lookahead(train_folder: Path, test_folder: Path) -> dict:
-    """Conditional and path AUROC of the probe on the tree traces' node inputs, without and with the lookahead
-    (module docstring); the joint's path AUROC and q's conditional one beside."""
+def lookahead(train_folder: Path, test_folder: Path, spec) -> dict:
+    """Conditional and path AUROC of the probe on a node head's inputs (feature spec `spec`), without and with the
+    lookahead (module docstring); the joint's path AUROC and q's conditional one beside."""
     from models.features import compose_path
 
-    train, test = tree_probe_rows(train_folder), tree_probe_rows(test_folder)
+    train, test = tree_probe_rows(train_folder, spec), tree_probe_rows(test_folder, spec)
     out = {"train_nodes": int(len(train["y"])), "test_nodes": int(len(test["y"])),
            "joint_path": float(roc_auc_score(test["y"], test["joint"])),
            "q_cond": float(roc_auc_score(test["y"][test["cond"]], test["q"][test["cond"]]))}
@@ -206,7 +199,10 @@ def run(cfg: DictConfig) -> None:
     more_data = {label: auroc(more, test, SETS[label], pca_more) for label in MORE_DATA}
     q_token = float(roc_auc_score(test["y"], test["node"][:, 1]))
     synthetic = path_map(folders["tree"], int(cfg.tree_prompts))
-    look = lookahead(folders["tree_train"], folders["tree_test"])
+    from models.heads import load_head
+
+    head_spec = load_head(repo_path(cfg.head_record).with_suffix(".ckpt")).spec  # the shipped head's own inputs
+    look = lookahead(folders["tree_train"], folders["tree_test"], head_spec)
     head = json.loads(repo_path(cfg.head_record).read_text())
     result = {"command": command("tree_node_signals"), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "pair": "smollm2_135m", "dtype": str(pair.dtype), "width": WIDTH, "principal_components": PCS,
@@ -251,8 +247,9 @@ def run(cfg: DictConfig) -> None:
     for label in ("node", "+lookahead"):
         row = look[label]
         lines.append(f"| {label} | {row['cond']:.4f} | {row['path']:.4f} | {row['path'] - look['joint_path']:+.4f} |")
-    lines += ["", "node = tree_plus_cond's inputs: rank, q, depth, the parent's q, the parent distribution's entropy "
-              "and top-10, the copy and verify groups."]
+    lines += ["", f"node = the shipped head's row ({cfg.head_record}: {head_spec.kind}, groups "
+              f"{', '.join(head_spec.groups)}): the parent distribution's top-{head_spec.k} and entropy, depth, joint, "
+              "log joint, q, rank, the parent's q, the copy and verify groups."]
     write_result(repo_path(cfg.out_dir), "tree_node_signals", result, lines)
 
 

@@ -234,10 +234,12 @@ def test_the_lookahead_probe_reads_each_nodes_children(tree_traces):
     from data_gen.store import load_traces
 
     folder = next(tree_traces.glob("*--test-*"))
-    rows = tree_probe_rows(folder)
+    spec = FeatureSpec("tree_node", k=3)
+    rows = tree_probe_rows(folder, spec)
     cols = trace_columns(load_traces(folder)[0], ["parent", "draft_entropy", "draft_topk"])
     par = rows["par"]
     assert len(par) == len(cols["parent"]) and 0 < rows["look"][:, 0].sum() < len(par)
+    assert rows["node"].shape == (len(par), spec.dim)  # the head's own row (from_columns)
     for j in np.flatnonzero(cols["parent"] >= 0):
         assert rows["look"][par[j], 0] == 1.0
         assert rows["look"][par[j], 1] == pytest.approx(float(cols["draft_entropy"][j]))
