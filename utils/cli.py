@@ -20,19 +20,36 @@ class UserError(Exception):
     """A mistake in the user's input or setup; the message must say what is wrong and how to fix it."""
 
 
-def known_names(group: str) -> list[str]:
-    """Config names available in a conf group (e.g. `pair`, `dataset`, `experiment`)."""
-    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+def known_names(group: str, extra: tuple[Path, ...] = ()) -> list[str]:
+    """Config names available in a conf group (e.g. `pair`, `dataset`, `experiment`), in conf/ and the `extra`
+    folders (a user's conf dirs on `hydra.searchpath`)."""
+    return sorted({p.stem for root in (CONF_DIR, *extra) for p in (root / group).glob("*.yaml")})
 
 
-def check_name(group: str, name: str) -> Path:
-    """Path of `conf/<group>/<name>.yaml`, or a UserError listing the known names."""
-    path = CONF_DIR / group / f"{name}.yaml"
-    if not path.is_file():
-        sub, _, _ = name.rpartition("/")  # a name in a folder of the group (experiment=study/NAME)
-        known = [f"{sub}/{n}" for n in known_names(f"{group}/{sub}")] if sub else known_names(group)
-        raise UserError(f"unknown {group} '{name}'; known: {', '.join(known)}")
-    return path
+def check_name(group: str, name: str, extra: tuple[Path, ...] = ()) -> Path:
+    """Path of `<group>/<name>.yaml` in conf/ or the first `extra` folder that has it, or a UserError listing the
+    known names."""
+    for root in (CONF_DIR, *extra):
+        path = root / group / f"{name}.yaml"
+        if path.is_file():
+            return path
+    sub, _, _ = name.rpartition("/")  # a name in a folder of the group (experiment=study/NAME)
+    known = [f"{sub}/{n}" for n in known_names(f"{group}/{sub}", extra)] if sub else known_names(group, extra)
+    raise UserError(f"unknown {group} '{name}'; known: {', '.join(known)}")
+
+
+def argv_search_path(argv: list[str]) -> tuple[Path, ...]:
+    """The `file://` folders a command line adds with `hydra.searchpath=[file:///DIR,...]`: where a user's own
+    `labels/NAME.yaml`, `trace/NAME.yaml`, `pair/NAME.yaml` ... make NAME known to `group=NAME`."""
+    out = []
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        if key.lstrip("+") == "hydra.searchpath":
+            for item in value.strip("[]").split(","):
+                item = item.strip().strip("'\"")
+                if item.startswith("file://"):
+                    out.append(Path(item[len("file://"):]))
+    return tuple(out)
 
 
 def run_stage(args: list[str], what: str, cwd: Path = CONF_DIR.parent) -> None:
@@ -86,18 +103,19 @@ def _check_experiment_stage(name: str, config_name: str | None) -> None:
 
 def _check_argv_groups(argv: list[str], config_name: str | None = None) -> None:
     """Reject `group=name` overrides whose config file does not exist, before Hydra prints a stack of its own, and
-    an experiment meant for the other stage."""
+    an experiment meant for the other stage. Names in a user's conf dir (`hydra.searchpath`) count."""
+    extra = argv_search_path(argv)
     for arg in argv:
         if arg.startswith("-") or "=" not in arg:
             continue
         key, value = arg.split("=", 1)
         key = key.lstrip("+~")
-        if "/" in key or "." in key or not (CONF_DIR / key).is_dir():
+        if "/" in key or "." in key or not any((root / key).is_dir() for root in (CONF_DIR, *extra)):
             continue
         # multirun values come comma-separated: check each
         for name in value.split(","):
             if name and name != "null" and not name.startswith("choice("):
-                check_name(key, name)
+                check_name(key, name, extra)
                 if key == "experiment":
                     _check_experiment_stage(name, config_name)
 
