@@ -24,6 +24,9 @@ class TraceKind:
 
     hidden_default = False  # store_hidden when the yaml does not say
     tree = False  # rows are candidate-tree nodes, not drafted positions
+    # rows follow the target's own continuation, one per drafted position, so a decoder's rounds replay on them
+    # (eval.replay; greedy ones: the train job's speed rule)
+    replays_rounds = False
 
     def __init__(self, kind: str | None = None, **settings):
         self.name = str(kind)
@@ -56,6 +59,8 @@ class TraceKind:
 
 class TargetAR(TraceKind):
     """DISCO: the target generates the continuation; one teacher-forced draft pass gives q at every position."""
+
+    replays_rounds = True
 
     def rows(self, pair, items, t):
         from data_gen.traces import chain_batch
@@ -118,6 +123,13 @@ class Tree(TraceKind):
         from data_gen.traces import tree_batch
 
         return tree_batch(pair, items, t)
+
+
+def manifest_kind(manifest: dict) -> TraceKind | None:
+    """The kind a trace folder's manifest records (its config's trace settings, by `kind`); None when it records
+    none (traces assembled in memory)."""
+    t = (manifest.get("config") or {}).get("trace") or {"kind": manifest.get("trace_kind")}
+    return trace_kind(t) if t.get("kind") is not None else None
 
 
 def trace_kind(t) -> TraceKind:

@@ -24,7 +24,6 @@ from tqdm import tqdm
 from data_gen import store
 from data_gen.kinds import trace_kind
 from data_gen.prompts import load_prompts, render
-from data_gen.tree_format import TREE_FORMAT
 from utils.cli import UserError
 
 if TYPE_CHECKING:  # the real import waits until the cheap checks have passed (torch-heavy)
@@ -129,9 +128,9 @@ def prepare_items(cfg: DictConfig, pair, prompts, s: Settings) -> tuple[list[Ite
     return items, "; ".join(note_parts) or None
 
 
-def _summary_line(folder: Path, m: dict, seconds: float | None = None, positions: int | None = None) -> str:
+def _summary_line(folder: Path, m: dict, kind, seconds: float | None = None, positions: int | None = None) -> str:
     rate = f", {positions / seconds:.1f} positions/s over {seconds:.1f}s" if seconds and positions else ""
-    if m.get("trace_kind") == "tree":  # rows are candidate-tree nodes; `positions` counts nodes here
+    if kind.tree:  # rows are candidate-tree nodes; `positions` counts nodes here
         rate = f", {positions / seconds:.1f} nodes/s over {seconds:.1f}s" if seconds and positions else ""
         return (f"traces {folder}: {m.get('rows')} tree nodes from {m.get('prompts')} prompts; on-path share "
                 f"{m.get('mean_acceptance', float('nan')):.4f}{rate}")
@@ -156,9 +155,10 @@ def generate(cfg: DictConfig, split: str, pair=None) -> Path:
     folder = store.trace_folder(cfg, split)
     chash, phash = store.config_hash(cfg), store.prompts_hash(prompts)
     manifest = store.read_manifest(folder)
-    same = _same_folder(cfg, folder, manifest, chash, phash, s.overwrite)
+    kind = trace_kind(cfg.trace)
+    same = _same_folder(cfg, kind, folder, manifest, chash, phash, s.overwrite)
     if same and _reusable(folder, manifest):
-        print(f"reusing complete {_summary_line(folder, manifest)}", flush=True)
+        print(f"reusing complete {_summary_line(folder, manifest, kind)}", flush=True)
         return folder
     store.check_writable(folder.parent)
     resuming = same
@@ -175,7 +175,7 @@ def generate(cfg: DictConfig, split: str, pair=None) -> Path:
         print(f"note: {note}", flush=True)
     # dtype and linear: what pair.dtype / pair.linear = auto resolved to on this machine
     plan = Plan(folder, chash, math.ceil(len(items) / s.prompts_per_shard), str(pair.dtype).replace("torch.", ""),
-                pair.linear)
+                pair.linear, kind)
     if resuming:
         _check_resumable(plan, manifest, pair)
     else:
@@ -196,15 +196,16 @@ def generate(cfg: DictConfig, split: str, pair=None) -> Path:
         )
         return folder
     manifest = store.finalize(folder, manifest, shards)
-    print(_summary_line(folder, manifest, elapsed if todo else None, positions), flush=True)
+    print(_summary_line(folder, manifest, kind, elapsed if todo else None, positions), flush=True)
     return folder
 
 
-def _same_folder(cfg: DictConfig, folder: Path, manifest: dict | None, chash: str, phash: str, overwrite: bool) -> bool:
+def _same_folder(cfg: DictConfig, kind, folder: Path, manifest: dict | None, chash: str, phash: str,
+                 overwrite: bool) -> bool:
     """Whether the folder's manifest is of this config and these prompts; one line when it is of others and
     `overwrite` is off."""
     if manifest is not None and manifest.get("config_hash") != chash and not overwrite:
-        raise _other_config(folder, manifest, chash)
+        raise _other_config(folder, manifest, chash, kind)
     # folders from before the field have none: they are taken as made from today's files
     same_prompts = manifest is None or manifest.get("prompts_hash", phash) == phash
     if not same_prompts and not overwrite:
@@ -222,13 +223,15 @@ class Plan:
     n_shards: int  # groups of `prompts_per_shard` prompts
     dtype: str
     linear: str
+    kind: object  # data_gen.kinds.TraceKind
 
 
-def _other_config(folder: Path, manifest: dict, chash: str) -> UserError:
-    made = (manifest.get("config") or {}).get("tree_format", 1)
-    if manifest.get("trace_kind") == "tree" and made != TREE_FORMAT:
-        return UserError(f"traces at {folder} are tree traces of format {made}, older than today's {TREE_FORMAT} "
-                         "(data_gen.tree_format.TREE_FORMAT: new node columns); rerun with overwrite=true to regenerate them")
+def _other_config(folder: Path, manifest: dict, chash: str, kind) -> UserError:
+    for key, now in kind.hash_extra().items():  # a kind's own format (tree traces: data_gen.tree_format)
+        made = (manifest.get("config") or {}).get(key, 1)
+        if manifest.get("trace_kind") == kind.name and made != now:
+            return UserError(f"traces at {folder} are {kind.name} traces of format {made}, older than today's {now} "
+                             f"({key}: new columns); rerun with overwrite=true to regenerate them")
     return UserError(
         f"traces at {folder} were made with another config (hash {manifest.get('config_hash')} != {chash}); "
         "rerun with overwrite=true to replace them, or pick another trace_root"
@@ -332,7 +335,7 @@ def _check_resumable(plan: Plan, manifest: dict, pair) -> None:
     """A manifest found in place (a resume, or another shard job's) must describe exactly this job's traces."""
     folder = plan.folder
     if manifest.get("config_hash") != plan.config_hash:
-        raise _other_config(folder, manifest, plan.config_hash)
+        raise _other_config(folder, manifest, plan.config_hash, plan.kind)
     if manifest.get("tokenizer_hash") != pair.tokenizer_hash:
         raise UserError(
             f"traces at {folder} were made with tokenizer {manifest.get('tokenizer_hash')} but pair {pair.name} now has "
@@ -359,5 +362,5 @@ def verify_cmd(cfg: DictConfig, split: str) -> Path:
     if manifest is not None and manifest.get("config_hash") != store.config_hash(cfg):
         raise UserError(f"traces at {folder} were made with another config than this command's; check the overrides")
     manifest = store.verify(folder)
-    print(f"verified {_summary_line(folder, manifest)}", flush=True)
+    print(f"verified {_summary_line(folder, manifest, trace_kind(cfg.trace))}", flush=True)
     return folder
