@@ -307,3 +307,26 @@ def test_extra_train_entry_that_is_not_a_dataset_refused(smoke_traces):
     cfg = cfg_for("+experiment=smoke", f"trace_root={smoke_traces}", "+extra_train.mine.limit=3")
     with pytest.raises(UserError, match="extra_train.mine is not a dataset config"):
         load_traces(cfg)
+
+
+def test_callbacks_and_data_module_come_from_config(tmp_path):
+    """conf/callbacks and conf/data are built by instantiate; the users' top-level overrides still reach them."""
+    from hydra.utils import instantiate
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+
+    from models.features import FeatureSpec
+    from train.job import make_callbacks
+
+    cfg = cfg_for("early_stopping.patience=2", "early_stopping.min_delta=0.01", "monitor=val/ap", "data.batch_size=16")
+    callbacks, checkpoint = make_callbacks(cfg, tmp_path / "checkpoints")
+    stopper = next(c for c in callbacks if isinstance(c, EarlyStopping))
+    assert (stopper.patience, stopper.min_delta, stopper.monitor) == (2, 0.01, "val/ap")
+    assert isinstance(checkpoint, ModelCheckpoint) and checkpoint.dirpath == str(tmp_path / "checkpoints")
+    assert checkpoint.monitor == "val/ap" and checkpoint.filename == "best"
+    traces, _ = splits()
+    dm = instantiate(cfg.data, _partial_=True)(traces=traces, labels_cfg=cfg.labels, spec=FeatureSpec("disco"), seed=0)
+    assert dm.batch_size == 16 and dm.imbalance == "pos_weight"
+    with open_dict(cfg):
+        cfg.callbacks.model_checkpoint = None
+    with pytest.raises(UserError, match="one ModelCheckpoint"):
+        make_callbacks(cfg, tmp_path)
