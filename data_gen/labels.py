@@ -1,6 +1,9 @@
 """Label schemes: functions of stored trace columns, applied at load time (train and eval share them).
 
 Traces keep raw statistics (q(x), p(x), TVD, tokens), so a τ sweep or a new scheme never regenerates traces.
+A scheme is one `LabelScheme` class plus `conf/labels/<name>.yaml` whose `_target_` names it (`labels=NAME`, built by
+`scheme`); what train and eval ask of it (its columns, soft or hard, node or chain, conditional) is declared on the
+class, never read off its name.
 
 | scheme | label | source |
 |---|---|---|
@@ -28,111 +31,192 @@ changes soft-reach or sampled training.
 from __future__ import annotations
 
 import numpy as np
-from omegaconf import DictConfig
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
 
+from utils import discover
 from utils.cli import UserError
 
-SCHEMES = {
-    "greedy_match": ("draft_token", "target_token"),
-    "tvd": ("tvd",),
-    "ratio": ("q_draft", "p_draft"),
-    "accept_prob": ("q_draft", "p_draft"),
-    "sum_min": ("tvd",),
-    "on_path": ("on_path",),
-    "on_path_given_parent": ("on_path", "node", "parent", "prompt_id", "position"),
-}
-SOFT = {"tvd", "accept_prob", "sum_min"}
-# label token-tree nodes (trace=tree), not chain drafting steps: no reach weighting
-NODE_SCHEMES = {"on_path", "on_path_given_parent"}
-# node schemes whose P is conditional on the parent being on the path: P(on path) is their product along the root
-# path (models.features.compose_path), and they label only the rows `make_mask` keeps
-CONDITIONAL_SCHEMES = {"on_path_given_parent"}
+
+class LabelScheme:
+    """A label scheme: the trace columns it reads and the labels (float32 in [0, 1]) it makes of them.
+
+    Class flags: `soft` (labels are probabilities; metrics binarise them at 0.5), `node` (labels token-tree nodes,
+    trace=tree, so no chain reach weighting), `conditional` (a node scheme conditional on the parent being on the
+    path: P(on path) is its product along the root path, models.features.compose_path, and it labels only the rows
+    `make_mask` keeps). The yaml's other keys (`name`, `reach_weight`, `reach`, the scheme's own) are its settings.
+    """
+
+    columns: tuple[str, ...] = ()
+    soft = False
+    node = False
+    conditional = False
+
+    def __init__(self, name: str | None = None, reach_weight: float | None = 1.0, reach: str = "hard", **params):
+        self.name = str(name)
+        self.reach_weight = reach_weight
+        self.reach = reach
+        self.params = params
+
+    @property
+    def is_soft(self) -> bool:
+        return self.soft
+
+    def labels(self, col: dict[str, np.ndarray]) -> np.ndarray:
+        raise NotImplementedError
 
 
-def required_columns(cfg: DictConfig) -> tuple[str, ...]:
-    if cfg.name not in SCHEMES:
-        raise UserError(f"unknown label scheme '{cfg.name}'; known: {', '.join(SCHEMES)}")
-    return SCHEMES[cfg.name]
+class GreedyMatch(LabelScheme):
+    columns = ("draft_token", "target_token")
 
-
-def is_soft(cfg: DictConfig) -> bool:
-    """Soft labels are probabilities in [0, 1]; metrics binarise them at 0.5."""
-    return cfg.name in SOFT and cfg.get("hard_threshold") is None
-
-
-def make_labels(columns: dict, cfg: DictConfig) -> np.ndarray:
-    """Labels (float32 in [0, 1]) for trace columns (a dict or a `datasets.Dataset`) under scheme `cfg`."""
-    needed = required_columns(cfg)
-    names = columns.column_names if hasattr(columns, "column_names") else list(columns)
-    missing = [c for c in needed if c not in names]
-    if missing:
-        if cfg.name in NODE_SCHEMES:
-            raise UserError(f"label scheme '{cfg.name}' labels token-tree nodes and these traces lack column(s) {missing}: "
-                            "use tree traces (trace=tree) with a node head (model=c2t or model=tree_node)")
-        hint = (" (these are token-tree traces: use labels=on_path or on_path_given_parent)" if "on_path" in names
-                else "")
-        raise UserError(
-            f"label scheme '{cfg.name}' needs trace column(s) {missing} that these traces lack{hint}; "
-            "regenerate them with this code's data_gen or pick another labels="
-        )
-    col = {c: np.asarray(columns[c]) for c in needed}
-    if cfg.name in ("on_path", "on_path_given_parent"):  # the latter's rows: make_mask
-        return col["on_path"].astype(np.float32)
-    if cfg.name == "greedy_match":
+    def labels(self, col):
         return (col["draft_token"] == col["target_token"]).astype(np.float32)
-    if cfg.name == "sum_min":
-        return np.clip(1.0 - col["tvd"].astype(np.float64), 0.0, 1.0).astype(np.float32)
-    if cfg.name == "tvd":
+
+
+class Tvd(LabelScheme):
+    columns = ("tvd",)
+    soft = True
+
+    @property
+    def is_soft(self) -> bool:  # hard_threshold set: 1[1 − TVD ≥ threshold]
+        return self.params.get("hard_threshold") is None
+
+    def labels(self, col):
         soft = 1.0 - col["tvd"].astype(np.float64)
-        threshold = cfg.get("hard_threshold")
+        threshold = self.params.get("hard_threshold")
         return (soft >= float(threshold)).astype(np.float32) if threshold is not None else soft.astype(np.float32)
-    q = col["q_draft"].astype(np.float64)
-    p = col["p_draft"].astype(np.float64)
-    if cfg.name == "ratio":
-        return (q <= float(cfg.get("tau", 1.0)) * p).astype(np.float32)
-    return np.minimum(1.0, p / np.maximum(q, 1e-30)).astype(np.float32)
+
+
+class Ratio(LabelScheme):
+    columns = ("q_draft", "p_draft")
+
+    def labels(self, col):
+        q, p = col["q_draft"].astype(np.float64), col["p_draft"].astype(np.float64)
+        return (q <= float(self.params.get("tau", 1.0)) * p).astype(np.float32)
+
+
+class AcceptProb(LabelScheme):
+    columns = ("q_draft", "p_draft")
+    soft = True
+
+    def labels(self, col):
+        q, p = col["q_draft"].astype(np.float64), col["p_draft"].astype(np.float64)
+        return np.minimum(1.0, p / np.maximum(q, 1e-30)).astype(np.float32)
+
+
+class SumMin(LabelScheme):
+    columns = ("tvd",)
+    soft = True
+
+    def labels(self, col):
+        return np.clip(1.0 - col["tvd"].astype(np.float64), 0.0, 1.0).astype(np.float32)
+
+
+class OnPath(LabelScheme):
+    columns = ("on_path",)
+    node = True
+
+    def labels(self, col):
+        return col["on_path"].astype(np.float32)
+
+
+class OnPathGivenParent(OnPath):
+    """on_path's labels; its rows are `make_mask`'s (the nodes whose parent is on the path)."""
+
+    columns = ("on_path", "node", "parent", "prompt_id", "position")
+    conditional = True
+
+
+def scheme(cfg) -> LabelScheme:
+    """The scheme a labels config (or a checkpoint's labels dict) describes, built from its `_target_`; a config
+    without one (checkpoints from before the key) is looked up by `name` in conf/labels."""
+    if isinstance(cfg, LabelScheme):
+        return cfg
+    params = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg or {})
+    name = params.get("name")
+    if not params.get("_target_"):
+        found = discover.load("labels", str(name)) if name is not None else None
+        if not found or not found.get("_target_"):
+            raise UserError(f"unknown label scheme '{name}'; known: {', '.join(discover.names('labels'))}")
+        params["_target_"] = found["_target_"]
+    cls = discover.target_class(params["_target_"], LabelScheme, f"labels={name}")
+    params["_target_"] = f"{cls.__module__}.{cls.__qualname__}"
+    return instantiate(params)
+
+
+def required_columns(cfg) -> tuple[str, ...]:
+    return scheme(cfg).columns
+
+
+def is_soft(cfg) -> bool:
+    """Soft labels are probabilities in [0, 1]; metrics binarise them at 0.5."""
+    return scheme(cfg).is_soft
+
+
+def is_node(cfg) -> bool:
+    """A scheme that labels token-tree nodes (trace=tree, node heads), not chain drafting steps."""
+    return scheme(cfg).node
 
 
 def is_conditional(labels) -> bool:
     """A node scheme conditional on the parent being on the path (`labels`: a labels config or a checkpoint's dict)."""
-    return str((labels or {}).get("name")) in CONDITIONAL_SCHEMES
+    return bool(labels) and scheme(labels).conditional
 
 
-def make_mask(columns: dict, cfg: DictConfig) -> np.ndarray | None:
+def make_labels(columns: dict, cfg) -> np.ndarray:
+    """Labels (float32 in [0, 1]) for trace columns (a dict or a `datasets.Dataset`) under scheme `cfg`."""
+    s = scheme(cfg)
+    names = columns.column_names if hasattr(columns, "column_names") else list(columns)
+    missing = [c for c in s.columns if c not in names]
+    if missing:
+        if s.node:
+            raise UserError(f"label scheme '{s.name}' labels token-tree nodes and these traces lack column(s) {missing}: "
+                            "use tree traces (trace=tree) with a node head (model=c2t or model=tree_node)")
+        hint = (" (these are token-tree traces: use labels=on_path or on_path_given_parent)" if "on_path" in names
+                else "")
+        raise UserError(
+            f"label scheme '{s.name}' needs trace column(s) {missing} that these traces lack{hint}; "
+            "regenerate them with this code's data_gen or pick another labels="
+        )
+    return s.labels({c: np.asarray(columns[c]) for c in s.columns})
+
+
+def make_mask(columns: dict, cfg) -> np.ndarray | None:
     """The rows scheme `cfg` labels (bool per row), None when it labels every row. on_path_given_parent: the nodes
     whose parent (in the same (prompt_id, position) tree) is on the path, and the root's children."""
-    if not is_conditional(cfg):
+    s = scheme(cfg)
+    if not s.conditional:
         return None
     from models.features import parent_on_path_rows, parent_rows
 
-    make_labels(columns, cfg)  # missing columns → its one-line error
+    make_labels(columns, s)  # missing columns → its one-line error
     try:
         return parent_on_path_rows(parent_rows(columns), np.asarray(columns["on_path"]))
     except ValueError as err:
-        raise UserError(f"label scheme '{cfg.name}' looks up each node's parent in its tree: {err}") from None
+        raise UserError(f"label scheme '{s.name}' looks up each node's parent in its tree: {err}") from None
 
 
-def reach_weight(cfg: DictConfig) -> float:
-    w = cfg.get("reach_weight", 1.0)
-    w = 1.0 if w is None else float(w)
+def reach_weight(cfg) -> float:
+    s = scheme(cfg)
+    w = 1.0 if s.reach_weight is None else float(s.reach_weight)
     if not 0.0 <= w <= 1.0:
         raise UserError(f"labels.reach_weight must be in [0, 1] (1 = every row alike, 0 = reachable rows only), got {w}")
-    if w < 1.0 and cfg.name in NODE_SCHEMES:
-        raise UserError(f"labels.reach_weight weights chain rounds; {cfg.name} labels tree nodes: leave it at 1")
-    if str(cfg.get("reach", "hard")) not in ("hard", "soft"):
-        raise UserError(f"labels.reach must be hard or soft, got '{cfg.get('reach')}'")
+    if w < 1.0 and s.node:
+        raise UserError(f"labels.reach_weight weights chain rounds; {s.name} labels tree nodes: leave it at 1")
+    if str(s.reach) not in ("hard", "soft"):
+        raise UserError(f"labels.reach must be hard or soft, got '{s.reach}'")
     return w
 
 
-def weight_columns(cfg: DictConfig) -> tuple[str, ...]:
+def weight_columns(cfg) -> tuple[str, ...]:
     """Trace columns `make_weights` reads (none while reach weighting is off)."""
     if reach_weight(cfg) >= 1.0:
         return ()
-    acc = ("q_draft", "p_draft") if str(cfg.get("reach", "hard")) == "soft" else ()
+    acc = ("q_draft", "p_draft") if str(scheme(cfg).reach) == "soft" else ()
     return ("draft_token", "target_token", "position", "prompt_id", "kind", *acc)
 
 
-def make_weights(columns: dict, cfg: DictConfig) -> np.ndarray:
+def make_weights(columns: dict, cfg) -> np.ndarray:
     """Per-row loss weights R + (1 − R)·reach_weight (module docstring); all ones when reach_weight = 1."""
     from models.features import trace_round_positions
 
@@ -140,7 +224,7 @@ def make_weights(columns: dict, cfg: DictConfig) -> np.ndarray:
     n = len(columns["position"]) if "position" in columns else len(next(iter(columns.values())))
     if w >= 1.0:
         return np.ones(n, dtype=np.float32)
-    if str(cfg.get("reach", "hard")) == "soft":
+    if str(scheme(cfg).reach) == "soft":
         q = np.asarray(columns["q_draft"], dtype=np.float64)
         acc = np.minimum(1.0, np.asarray(columns["p_draft"], dtype=np.float64) / np.maximum(q, 1e-30))
     else:

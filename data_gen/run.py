@@ -22,14 +22,13 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from data_gen import store
+from data_gen.kinds import trace_kind
 from data_gen.prompts import load_prompts, render
 from utils.cli import UserError
 
 if TYPE_CHECKING:  # the real import waits until the cheap checks have passed (torch-heavy)
     from data_gen.traces import Item
 
-TRACE_KINDS = ("target_ar", "interleaved", "tree")
-KINDS_INTERLEAVED = ("prompt", "draft", "target", "mixed")
 OVERFLOW = ("truncate", "skip", "error")
 
 
@@ -70,25 +69,11 @@ def settings(cfg: DictConfig) -> Settings:
         raise UserError(f"shard_id={s.shard_id} must be in [0, num_shards={s.num_shards})")
     if s.prompt_overflow not in OVERFLOW:
         raise UserError(f"prompt_overflow={s.prompt_overflow} is not one of: {', '.join(OVERFLOW)}")
-    kind = str(cfg.trace.get("kind"))
-    if kind not in TRACE_KINDS:
-        raise UserError(f"trace.kind={kind} is not one of: {', '.join(TRACE_KINDS)}")
+    kind = trace_kind(cfg.trace)  # unknown kind → one line
     if int(cfg.trace.max_new_tokens) < 1:
         raise UserError("trace.max_new_tokens must be >= 1")
-    if kind == "tree":
-        _check_tree(cfg.trace)
+    kind.check(cfg.trace)
     return s
-
-
-def _check_tree(t: DictConfig) -> None:
-    """A tree trace records greedy labels (on_path) only, and bounded trees."""
-    if float(t.get("temperature", 0.0)) != 0.0:
-        raise UserError("trace=tree records greedy labels (on_path) only; set trace.temperature=0")
-    if bool(t.get("store_hidden", False)):
-        raise UserError("trace=tree stores no hidden states yet; set trace.store_hidden=false")
-    for name in ("tree_topk", "tree_depth", "stride"):
-        if int(t.get(name, 1)) < 1:
-            raise UserError(f"trace.{name} must be >= 1, got {t.get(name)}")
 
 
 def _encode(tokenizer, text: str, special: bool) -> list[int]:
@@ -139,25 +124,13 @@ def prepare_items(cfg: DictConfig, pair, prompts, s: Settings) -> tuple[list[Ite
         note_parts.append(f"{empty} empty prompts skipped")
     if not items:
         raise UserError(f"no prompts left to trace ({'; '.join(note_parts) or 'empty prompt set'}); check dataset/split/limit")
-    if str(t.kind) == "interleaved":
-        for i, it in enumerate(items):
-            it.kind = KINDS_INTERLEAVED[i % 4]  # equal shares, fixed by prompt order
-            if it.kind == "prompt":
-                ref = it.meta.get("reference")
-                forced = _encode(tok, ref, False)[:max_new] if ref else []
-                if not forced:  # no reference: the original text is the prompt's own tail
-                    n = min(max_new, len(it.prefix) // 2)
-                    if n < 1:
-                        it.kind = "target"
-                        continue
-                    it.prefix, forced = it.prefix[:-n], it.prefix[-n:]
-                it.forced = forced
+    trace_kind(t).prepare(items, lambda text: _encode(tok, text, False), max_new)
     return items, "; ".join(note_parts) or None
 
 
-def _summary_line(folder: Path, m: dict, seconds: float | None = None, positions: int | None = None) -> str:
+def _summary_line(folder: Path, m: dict, kind, seconds: float | None = None, positions: int | None = None) -> str:
     rate = f", {positions / seconds:.1f} positions/s over {seconds:.1f}s" if seconds and positions else ""
-    if m.get("trace_kind") == "tree":  # rows are candidate-tree nodes; `positions` counts nodes here
+    if kind.tree:  # rows are candidate-tree nodes; `positions` counts nodes here
         rate = f", {positions / seconds:.1f} nodes/s over {seconds:.1f}s" if seconds and positions else ""
         return (f"traces {folder}: {m.get('rows')} tree nodes from {m.get('prompts')} prompts; on-path share "
                 f"{m.get('mean_acceptance', float('nan')):.4f}{rate}")
@@ -180,19 +153,12 @@ def generate(cfg: DictConfig, split: str, pair=None) -> Path:
     s = settings(cfg)
     prompts = load_prompts(cfg.dataset, split, s.limit)  # unknown split / empty set → UserError, nothing written
     folder = store.trace_folder(cfg, split)
-    chash = store.config_hash(cfg)
+    chash, phash = store.config_hash(cfg), store.prompts_hash(prompts)
     manifest = store.read_manifest(folder)
-    if manifest is not None and manifest.get("config_hash") != chash and not s.overwrite:
-        raise _other_config(folder, manifest, chash)
-    phash = store.prompts_hash(prompts)
-    # folders from before the field have none: they are taken as made from today's files
-    same_prompts = manifest is None or manifest.get("prompts_hash", phash) == phash
-    if not same_prompts and not s.overwrite:
-        raise UserError(f"traces at {folder} were made from other {cfg.dataset.name} prompts than data/ holds now "
-                        f"(prompts hash {manifest['prompts_hash']} != {phash}); rerun with overwrite=true to regenerate")
-    same = manifest is not None and manifest.get("config_hash") == chash and same_prompts
+    kind = trace_kind(cfg.trace)
+    same = _same_folder(cfg, kind, folder, manifest, chash, phash, s.overwrite)
     if same and _reusable(folder, manifest):
-        print(f"reusing complete {_summary_line(folder, manifest)}", flush=True)
+        print(f"reusing complete {_summary_line(folder, manifest, kind)}", flush=True)
         return folder
     store.check_writable(folder.parent)
     resuming = same
@@ -209,7 +175,7 @@ def generate(cfg: DictConfig, split: str, pair=None) -> Path:
         print(f"note: {note}", flush=True)
     # dtype and linear: what pair.dtype / pair.linear = auto resolved to on this machine
     plan = Plan(folder, chash, math.ceil(len(items) / s.prompts_per_shard), str(pair.dtype).replace("torch.", ""),
-                pair.linear)
+                pair.linear, kind)
     if resuming:
         _check_resumable(plan, manifest, pair)
     else:
@@ -230,8 +196,22 @@ def generate(cfg: DictConfig, split: str, pair=None) -> Path:
         )
         return folder
     manifest = store.finalize(folder, manifest, shards)
-    print(_summary_line(folder, manifest, elapsed if todo else None, positions), flush=True)
+    print(_summary_line(folder, manifest, kind, elapsed if todo else None, positions), flush=True)
     return folder
+
+
+def _same_folder(cfg: DictConfig, kind, folder: Path, manifest: dict | None, chash: str, phash: str,
+                 overwrite: bool) -> bool:
+    """Whether the folder's manifest is of this config and these prompts; one line when it is of others and
+    `overwrite` is off."""
+    if manifest is not None and manifest.get("config_hash") != chash and not overwrite:
+        raise _other_config(folder, manifest, chash, kind)
+    # folders from before the field have none: they are taken as made from today's files
+    same_prompts = manifest is None or manifest.get("prompts_hash", phash) == phash
+    if not same_prompts and not overwrite:
+        raise UserError(f"traces at {folder} were made from other {cfg.dataset.name} prompts than data/ holds now "
+                        f"(prompts hash {manifest['prompts_hash']} != {phash}); rerun with overwrite=true to regenerate")
+    return manifest is not None and manifest.get("config_hash") == chash and same_prompts
 
 
 @dataclass(frozen=True)
@@ -243,13 +223,15 @@ class Plan:
     n_shards: int  # groups of `prompts_per_shard` prompts
     dtype: str
     linear: str
+    kind: object  # data_gen.kinds.TraceKind
 
 
-def _other_config(folder: Path, manifest: dict, chash: str) -> UserError:
-    made = (manifest.get("config") or {}).get("tree_format", 1)
-    if manifest.get("trace_kind") == "tree" and made != store.TREE_FORMAT:
-        return UserError(f"traces at {folder} are tree traces of format {made}, older than today's {store.TREE_FORMAT} "
-                         "(data_gen.store.TREE_FORMAT: new node columns); rerun with overwrite=true to regenerate them")
+def _other_config(folder: Path, manifest: dict, chash: str, kind) -> UserError:
+    for key, now in kind.hash_extra().items():  # a kind's own format (tree traces: data_gen.tree_format)
+        made = (manifest.get("config") or {}).get(key, 1)
+        if manifest.get("trace_kind") == kind.name and made != now:
+            return UserError(f"traces at {folder} are {kind.name} traces of format {made}, older than today's {now} "
+                             f"({key}: new columns); rerun with overwrite=true to regenerate them")
     return UserError(
         f"traces at {folder} were made with another config (hash {manifest.get('config_hash')} != {chash}); "
         "rerun with overwrite=true to replace them, or pick another trace_root"
@@ -271,7 +253,7 @@ def _new_manifest(cfg: DictConfig, split: str, pair, s: Settings, plan: Plan, it
     """The manifest of a folder this job starts: the config and everything a later reader checks against."""
     from models.cost import get_profile
 
-    store_hidden = bool(cfg.trace.get("store_hidden", str(cfg.trace.kind) == "interleaved"))
+    kind = trace_kind(cfg.trace)
     return {
         "config_hash": plan.config_hash,
         "config": store.hash_payload(cfg),
@@ -283,12 +265,10 @@ def _new_manifest(cfg: DictConfig, split: str, pair, s: Settings, plan: Plan, it
         "trace_kind": str(cfg.trace.kind),
         "split": split,
         "topk": int(cfg.trace.get("topk", 10)),
-        "hidden_size": int(pair.draft.config.hidden_size) if store_hidden else 0,
+        "hidden_size": int(pair.draft.config.hidden_size) if kind.store_hidden(cfg.trace) else 0,
         "temperature": float(cfg.trace.get("temperature", 0.0)),
         "top_p": float(cfg.trace.get("top_p", 1.0)),
-        # tree traces: the candidate trees' bounds (models.tree.TopkExpander) and the positions' spacing
-        **({"tree": {"topk": int(cfg.trace.get("tree_topk", 4)), "depth": int(cfg.trace.get("tree_depth", 5)),
-                     "stride": int(cfg.trace.get("stride", 1))}} if str(cfg.trace.kind) == "tree" else {}),
+        **kind.manifest_extra(cfg.trace),  # tree traces: the candidate trees' bounds and the positions' spacing
         "max_new_tokens": int(cfg.trace.max_new_tokens),
         "vocab_size": pair.vocab_size,
         # what a draft step and a target pass cost on the machine that made these traces (models.cost)
@@ -328,8 +308,7 @@ def _start_folder(cfg: DictConfig, split: str, pair, s: Settings, plan: Plan, it
 def _write_shards(pair, trace: DictConfig, folder: Path, s: Settings, manifest: dict, items: list, todo: list[int],
                   desc: str) -> int:
     """Trace and write shard groups `todo` (each shard appears only when complete); returns the positions traced."""
-    from data_gen.traces import trace_batch
-
+    kind = trace_kind(trace)
     pps = s.prompts_per_shard
     positions, start = 0, time.perf_counter()
     bar = tqdm(total=sum(len(items[g * pps : (g + 1) * pps]) for g in todo), unit="prompt", desc=desc,
@@ -340,7 +319,7 @@ def _write_shards(pair, trace: DictConfig, folder: Path, s: Settings, manifest: 
         rows: list[dict | None] = [None] * len(group)
         for b in range(0, len(order), s.batch_size):
             idx = order[b : b + s.batch_size]
-            for i, r in zip(idx, trace_batch(pair, [group[i] for i in idx], trace)):
+            for i, r in zip(idx, kind.rows(pair, [group[i] for i in idx], trace)):
                 rows[i] = r
                 positions += r["n"]
             bar.update(len(idx))
@@ -356,7 +335,7 @@ def _check_resumable(plan: Plan, manifest: dict, pair) -> None:
     """A manifest found in place (a resume, or another shard job's) must describe exactly this job's traces."""
     folder = plan.folder
     if manifest.get("config_hash") != plan.config_hash:
-        raise _other_config(folder, manifest, plan.config_hash)
+        raise _other_config(folder, manifest, plan.config_hash, plan.kind)
     if manifest.get("tokenizer_hash") != pair.tokenizer_hash:
         raise UserError(
             f"traces at {folder} were made with tokenizer {manifest.get('tokenizer_hash')} but pair {pair.name} now has "
@@ -383,5 +362,5 @@ def verify_cmd(cfg: DictConfig, split: str) -> Path:
     if manifest is not None and manifest.get("config_hash") != store.config_hash(cfg):
         raise UserError(f"traces at {folder} were made with another config than this command's; check the overrides")
     manifest = store.verify(folder)
-    print(f"verified {_summary_line(folder, manifest)}", flush=True)
+    print(f"verified {_summary_line(folder, manifest, trace_kind(cfg.trace))}", flush=True)
     return folder

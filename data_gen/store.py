@@ -29,6 +29,8 @@ from pathlib import Path
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
+from data_gen.kinds import trace_kind
+from data_gen.tree_format import TREE_COLUMNS
 from utils.cli import UserError
 from utils.files import sha256_file, write_text_atomic
 
@@ -53,14 +55,11 @@ def folder_name(cfg: DictConfig, split: str) -> str:
     dataset = str(cfg.dataset.name)
     if cfg.dataset.get("category") not in (None, "all") and dataset == str(cfg.dataset.get("loader")):
         dataset += f"-{cfg.dataset.category}"
-    hidden = bool(t.get("store_hidden", str(t.kind) == "interleaved"))
+    kind = trace_kind(t)
     decoding = (
         f"{t.kind}-t{_fmt(t.get('temperature', 0))}-p{_fmt(t.get('top_p', 1.0))}-n{int(t.max_new_tokens)}"
-        f"-s{int(t.get('seed', 0))}{'-h' if hidden else ''}"
+        f"-s{int(t.get('seed', 0))}{'-h' if kind.store_hidden(t) else ''}{kind.folder_suffix(t)}"
     )
-    if str(t.kind) == "tree":  # the candidate trees' bounds: two tree traces of one pair differ by them
-        decoding += f"-w{int(t.get('tree_topk', 4))}-d{int(t.get('tree_depth', 5))}"
-        decoding += f"-st{int(t.get('stride', 1))}" if int(t.get("stride", 1)) != 1 else ""
     limit = cfg.get("limit")
     per_task = cfg.dataset.get("per_task_limit")
     tail = f"-pt{int(per_task)}" if per_task is not None else ""
@@ -89,13 +88,14 @@ def hash_payload(cfg: DictConfig) -> dict:
     files = draft_files(cfg.pair)
     if files:  # the draft's content, not only its path: a new student at the shipped path makes new traces
         pair["draft_files"] = files
-    tree = {"tree_format": TREE_FORMAT} if str(cfg.trace.get("kind")) == "tree" else {}
+    trace = OmegaConf.to_container(cfg.trace, resolve=True)
+    trace.pop("_target_", None)  # the kind is recorded by name (`kind`): folders from before the key keep their hash
     return {
         "format": FORMAT_VERSION,
-        **tree,
+        **trace_kind(cfg.trace).hash_extra(),
         "pair": pair,
         "dataset": OmegaConf.to_container(cfg.dataset, resolve=True),
-        "trace": OmegaConf.to_container(cfg.trace, resolve=True),
+        "trace": trace,
         "limit": cfg.get("limit"),
         "prompts_per_shard": int(cfg.get("prompts_per_shard", 16)),
         "max_prompt_tokens": cfg.get("max_prompt_tokens"),
@@ -198,7 +198,7 @@ def shard_name(index: int) -> str:
 
 
 def _table(rows: list[dict], topk: int, hidden: int):
-    """A pyarrow table of trace rows from per-continuation column dicts (see data_gen.traces.trace_batch)."""
+    """A pyarrow table of trace rows from per-continuation column dicts (see data_gen.traces.chain_batch)."""
     import pyarrow as pa
 
     def cat(name, dtype):
@@ -253,15 +253,6 @@ def save_table_shard(folder: Path, index: int, table, meta: dict) -> dict:
     write_json_atomic(tmp / SHARD_META, meta)
     os.rename(tmp, folder / shard_name(index))
     return meta
-
-
-# the per-node columns of a `tree` trace besides prompt_id, split, kind, position and draft_topk (data_gen.traces);
-# root_target_* and copy_len .. lookup_len (models.tree.NODE_GROUP_COLUMNS, read by tree_node_plus) since TREE_FORMAT 2
-TREE_COLUMNS = ("node", "parent", "depth", "rank", "token", "q_token", "joint", "draft_entropy", "root_target_entropy",
-                "root_target_margin", "copy_len", "lookup_hit", "lookup_len", "on_path", "length")
-# the tree traces' own format, in their config hash: a bump makes folders of an older one "another config" (refused
-# in one line, `overwrite=true` regenerates) rather than mixed with new ones. 2: the verify and copy node columns
-TREE_FORMAT = 2
 
 
 def _tree_table(rows: list[dict], topk: int):

@@ -1,6 +1,6 @@
 """Trace generation: batched rollouts with KV caches, then per-position draft/target statistics (one row each).
 
-Two trace kinds (DESIGN.md "Trace kinds"):
+The rows each trace kind (data_gen.kinds) makes. Two chain kinds (DESIGN.md "Trace kinds"):
 - `target_ar` (DISCO): the target generates the continuation (greedy, or sampled with a per-prompt seed). p at every
   generated position comes from the generation steps themselves (the logits the target produced that token from;
   `p_source: teacher_forced` recomputes them in one batched pass instead, equal within fp error — tested), and ONE
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from data_gen.store import TREE_COLUMNS
+from data_gen.tree_format import TREE_COLUMNS
 from models.distributions import draft_probs, entropy, greedy_ids, top2_margin, topk_probs, tvd
 from models.lm import cache_kw
 
@@ -97,6 +97,21 @@ class Rollout:
     draft_hidden: torch.Tensor | None  # (B, steps, d)
 
 
+def _choose(items: list[Item], step: int, t_list: list[int], d_list: list[int] | None, u: torch.Tensor,
+            mix_share: float, pad_id: int) -> list[int]:
+    """The token each row's context gets at `step`: forced (prompt), the draft's (draft, mixed with probability
+    `mix_share`) or the target's."""
+    chosen = []
+    for i, it in enumerate(items):
+        if it.kind == "prompt":
+            chosen.append(it.forced[step] if step < len(it.forced) else pad_id)
+        elif it.kind == "draft" or (it.kind == "mixed" and float(u[i, 0]) < mix_share):
+            chosen.append(d_list[i])
+        else:
+            chosen.append(t_list[i])
+    return chosen
+
+
 @torch.no_grad()
 def rollout(pair, items: list[Item], trace_cfg, step_draft: bool) -> Rollout:
     """Generate every item's continuation with KV caches, batched (left padding + masks + explicit positions).
@@ -140,21 +155,12 @@ def rollout(pair, items: list[Item], trace_cfg, step_draft: bool) -> Rollout:
                 d_tok = sample_inverse_cdf(draft_probs(d_logits, temperature, top_p), u[:, 2])
             else:
                 d_tok = greedy_ids(d_logits)
-        t_list = t_tok.tolist()  # one device sync per step, not one per row
-        d_list = d_tok.tolist() if step_draft else None
-        chosen = []
-        for i, it in enumerate(items):
-            if it.kind == "prompt":
-                tok = it.forced[step] if step < len(it.forced) else pad_id
-            elif it.kind == "draft" or (it.kind == "mixed" and float(u[i, 0]) < mix_share):
-                tok = d_list[i]
-            else:
-                tok = t_list[i]
-            chosen.append(tok)
+        # one device sync per step, not one per row
+        chosen = _choose(items, step, t_tok.tolist(), d_tok.tolist() if step_draft else None, u, mix_share, pad_id)
+        for i, (it, tok) in enumerate(zip(items, chosen)):
             if not done[i]:
                 tokens[i].append(tok)
-                if tok in stop or (it.kind == "prompt" and len(tokens[i]) >= len(it.forced)):
-                    done[i] = True
+                done[i] = tok in stop or (it.kind == "prompt" and len(tokens[i]) >= len(it.forced))
         if all(done) or step == max_new - 1:
             break
         feed = torch.tensor(chosen, dtype=torch.long, device=device).unsqueeze(-1)
@@ -204,16 +210,14 @@ def position_stats(q_logits, p_logits, x, temperature: float, top_p: float, k: i
 
 
 @torch.no_grad()
-def trace_batch(pair, items: list[Item], trace_cfg) -> list[dict[str, np.ndarray]]:
-    """Rows (as column arrays, one dict per item, in position order) for a batch of items of one trace kind."""
-    kind = str(trace_cfg.kind)
-    if kind == "tree":
-        return tree_batch(pair, items, trace_cfg)
+def chain_batch(pair, items: list[Item], trace_cfg, joint: bool) -> list[dict[str, np.ndarray]]:
+    """Rows (as column arrays, one dict per item, in position order) of a chain kind for a batch of items: `joint`
+    (interleaved) steps draft and target together and samples x ~ q; otherwise (target_ar) one teacher-forced draft
+    pass over the target's continuation gives q."""
     temperature, top_p = float(trace_cfg.get("temperature", 0.0)), float(trace_cfg.get("top_p", 1.0))
     k = int(trace_cfg.get("topk", 10))
-    store_hidden = bool(trace_cfg.get("store_hidden", kind == "interleaved"))
+    store_hidden = bool(trace_cfg.get("store_hidden", joint))
     seed = int(trace_cfg.get("seed", 0))
-    joint = kind == "interleaved"
     roll = rollout(pair, items, trace_cfg, step_draft=joint)
     if joint:
         drafts = [(roll.draft_logits[i, : len(c)], roll.draft_hidden[i, : len(c)]) for i, c in enumerate(roll.tokens)]

@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 from hydra import compose, initialize_config_dir
 
-from data_gen.labels import NODE_SCHEMES, required_columns
+from data_gen.labels import is_node, required_columns
 from models.features import feature_kind
 from models.heads import head_family
 from utils.cli import CONF_DIR, known_names
@@ -68,7 +68,7 @@ def test_every_experiment_composes(name):
     assert cfg.trace.kind in ("target_ar", "interleaved", "tree")
     # token-tree node heads train on tree traces with the tree label, chain heads on chain traces (issue 30)
     tree = feature_kind(feat).tree
-    assert (cfg.trace.kind == "tree") == tree and (cfg.labels.name in NODE_SCHEMES) == tree, name
+    assert (cfg.trace.kind == "tree") == tree and is_node(cfg.labels) == tree, name
     assert cfg.trace_root and cfg.monitor == "val/auroc"
     limits = [cfg.split_limits[s] for s in ("train", "validation", "test")]
     assert all(v is None or v > 0 for v in limits)

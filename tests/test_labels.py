@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from data_gen.labels import is_soft, make_labels, required_columns
+from data_gen.labels import (LabelScheme, is_conditional, is_node, is_soft, make_labels, make_mask, required_columns)
+from data_gen.labels import scheme as build_scheme
 from tests.conftest import REPO
 from utils.cli import UserError
 
@@ -83,3 +84,72 @@ def test_reach_weights():
     np.testing.assert_allclose(w, r + (1 - r) * 0.2, rtol=1e-6)
     with pytest.raises(UserError, match="reach_weight"):
         make_weights(cols, scheme("greedy_match", reach_weight=2.0))
+
+
+# ------------------------------------------------------------------------- a new scheme: one class + one yaml
+
+
+class DraftOverTarget(LabelScheme):
+    """A scheme only this test knows: 1[q(x) ≥ factor · p(x)] (the draft at least `factor` times as sure as the
+    target)."""
+
+    columns = ("q_draft", "p_draft")
+
+    def labels(self, col):
+        q, p = col["q_draft"].astype(np.float64), col["p_draft"].astype(np.float64)
+        return (q >= float(self.params.get("factor", 1.0)) * p).astype(np.float32)
+
+
+@pytest.fixture
+def user_conf(tmp_path):
+    """A user's conf dir holding labels/draft_over_target.yaml (this module's class)."""
+    root = tmp_path / "user_conf"
+    (root / "labels").mkdir(parents=True)
+    (root / "labels" / "draft_over_target.yaml").write_text(
+        f"# a test scheme\n_target_: {__name__}.DraftOverTarget\nname: draft_over_target\nfactor: 1.0\n")
+    return root
+
+
+def test_a_scheme_is_read_from_its_class(user_conf):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("train", ["labels=draft_over_target", "labels.factor=2.0", f"hydra.searchpath=[file://{user_conf}]"])
+    s = build_scheme(cfg.labels)
+    assert isinstance(s, DraftOverTarget) and not is_soft(cfg.labels) and not is_node(cfg.labels)
+    assert required_columns(cfg.labels) == ("q_draft", "p_draft") and make_mask(COLS, cfg.labels) is None
+    # q/p = 0.5, 1.2, 3.0: at least 2 on the last row only
+    np.testing.assert_array_equal(make_labels(COLS, cfg.labels), [0, 0, 1])
+    assert is_node(scheme("on_path")) and is_conditional(scheme("on_path_given_parent"))
+    assert is_conditional({"name": "on_path_given_parent"})  # a checkpoint's dict from before `_target_`: by name
+    with pytest.raises(UserError, match="is not a data_gen.labels.LabelScheme"):
+        make_labels(COLS, OmegaConf.create({"_target_": "collections.OrderedDict", "name": "x"}))
+
+
+@pytest.mark.slow
+def test_a_new_scheme_trains_a_head_through_the_train_job(user_conf, tmp_path):
+    """`python -m train +experiment=smoke labels=draft_over_target hydra.searchpath=[file://DIR]` (the job its entry
+    runs, on the tiny pair): the head trains on the scheme's labels and its checkpoint records the class."""
+    import json
+
+    from hydra import compose, initialize_config_dir
+    from omegaconf import open_dict
+
+    from models.heads import load_head
+    from train.inputs import load_traces
+    from train.job import run
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("train", ["+experiment=smoke", "labels=draft_over_target", "logger=none", "trainer.max_epochs=1",
+                                f"trace_root={tmp_path / 'traces'}", f"hydra.searchpath=[file://{user_conf}]"])
+    with open_dict(cfg):
+        cfg.progress = False
+        cfg.trainer.enable_progress_bar = False
+    results = run(cfg, tmp_path / "run")
+    assert json.loads((tmp_path / "run" / "results.json").read_text())["labels"]["name"] == "draft_over_target"
+    traces, _ = load_traces(cfg)
+    y = DraftOverTarget().labels({c: np.asarray(traces["test"][c]) for c in ("q_draft", "p_draft")})
+    assert results["test/rows"] == len(y) and results["test/positive_rate"] == pytest.approx(float(y.mean()))
+    assert 0 < y.mean() < 1 and np.isfinite(results["test/auroc"])
+    bundle = load_head(results["ckpt_path"])
+    assert bundle.labels["_target_"] == f"{__name__}.DraftOverTarget" and not is_conditional(bundle.labels)

@@ -251,7 +251,7 @@ def test_sprinter_on_tiny_interleaved_traces(tmp_path, tiny_pair):
     """Real data_gen traces (interleaved, hidden states stored) → SPRINTER head; the spec's d is the draft's hidden size."""
     from data_gen.run import generate
     from data_gen.contract import split_cfg
-    from train.job import load_traces
+    from train.inputs import load_traces
 
     cfg = cfg_for("+experiment=smoke", "trace=interleaved", "model=sprinter", "labels=ratio", "labels.tau=1.5",
                   "trainer=fast_dev_run", "logger=none", f"trace_root={tmp_path / 'traces'}", "trace.max_new_tokens=12",
@@ -270,7 +270,7 @@ def test_sprinter_on_tiny_interleaved_traces(tmp_path, tiny_pair):
 
 def test_trace_dirs_from_another_pair_refused_before_generation(smoke_traces):
     """`trace_dirs.train=DIR` holding another pair's traces: one UserError before anything is generated."""
-    from train.job import load_traces
+    from train.inputs import load_traces
 
     folder = next(smoke_traces.glob("tiny_random--*--train-*"))
     cfg = cfg_for("pair=smollm2_135m", f"trace_dirs.train={folder}", f"trace_root={smoke_traces}")
@@ -282,7 +282,7 @@ def test_extra_train_appends_another_datasets_train_rows(smoke_traces, tiny_pair
     """`extra_train.<name>` (a composed dataset config): its train-split traces, generated when missing, are appended
     to the train rows only; validation and test stay the main dataset's, and the train manifest names the folders."""
     import models.pair
-    from train.job import load_traces
+    from train.inputs import load_traces
 
     monkeypatch.setattr(models.pair, "load_pair", lambda cfg: tiny_pair)  # the stdlib traces are made with the tiny pair
     base = cfg_for("+experiment=smoke", f"trace_root={smoke_traces}")
@@ -302,8 +302,31 @@ def test_extra_train_appends_another_datasets_train_rows(smoke_traces, tiny_pair
 
 
 def test_extra_train_entry_that_is_not_a_dataset_refused(smoke_traces):
-    from train.job import load_traces
+    from train.inputs import load_traces
 
     cfg = cfg_for("+experiment=smoke", f"trace_root={smoke_traces}", "+extra_train.mine.limit=3")
     with pytest.raises(UserError, match="extra_train.mine is not a dataset config"):
         load_traces(cfg)
+
+
+def test_callbacks_and_data_module_come_from_config(tmp_path):
+    """conf/callbacks and conf/data are built by instantiate; the users' top-level overrides still reach them."""
+    from hydra.utils import instantiate
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+
+    from models.features import FeatureSpec
+    from train.job import make_callbacks
+
+    cfg = cfg_for("early_stopping.patience=2", "early_stopping.min_delta=0.01", "monitor=val/ap", "data.batch_size=16")
+    callbacks, checkpoint = make_callbacks(cfg, tmp_path / "checkpoints")
+    stopper = next(c for c in callbacks if isinstance(c, EarlyStopping))
+    assert (stopper.patience, stopper.min_delta, stopper.monitor) == (2, 0.01, "val/ap")
+    assert isinstance(checkpoint, ModelCheckpoint) and checkpoint.dirpath == str(tmp_path / "checkpoints")
+    assert checkpoint.monitor == "val/ap" and checkpoint.filename == "best"
+    traces, _ = splits()
+    dm = instantiate(cfg.data, _partial_=True)(traces=traces, labels_cfg=cfg.labels, spec=FeatureSpec("disco"), seed=0)
+    assert dm.batch_size == 16 and dm.imbalance == "pos_weight"
+    with open_dict(cfg):
+        cfg.callbacks.model_checkpoint = None
+    with pytest.raises(UserError, match="one ModelCheckpoint"):
+        make_callbacks(cfg, tmp_path)

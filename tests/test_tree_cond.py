@@ -190,7 +190,8 @@ def test_train_and_eval_a_conditional_node_head(tmp_path):
     from eval.classifier import run as evaluate
     from models.pair import load_pair
     from tests.test_tree_heads import train_cfg  # tiny tree_mbpp settings (the close tiny pair)
-    from train.job import load_traces, run
+    from train.inputs import load_traces
+    from train.job import run
 
     root = tmp_path / "traces"
     cfg = train_cfg("tree_node", root, "labels=on_path_given_parent")

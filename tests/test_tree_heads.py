@@ -185,7 +185,8 @@ def test_train_and_eval_a_node_head(kind, tree_traces, close_pair, tmp_path):
     from models.heads import load_head
     from models.lm import LM
     from models.tree import TopkExpander, grow
-    from train.job import load_traces, run
+    from train.inputs import load_traces
+    from train.job import run
 
     cfg = train_cfg(kind, tree_traces)
     assert (cfg.trace.kind, cfg.labels.name, cfg.model.kind) == ("tree", "on_path", kind)

@@ -198,6 +198,7 @@ def test_an_older_tree_trace_format_is_refused_in_one_line(tmp_path, tiny_pair):
 
     from data_gen import store
     from data_gen.run import generate
+    from data_gen.tree_format import TREE_FORMAT
     from tests.test_data_gen import make_cfg
     from tests.test_tree_traces import TREE
 
@@ -206,7 +207,7 @@ def test_an_older_tree_trace_format_is_refused_in_one_line(tmp_path, tiny_pair):
     assert {"root_target_entropy", "copy_len"} <= set(store.load_traces(folder)[0].column_names)
     path = folder / store.MANIFEST
     manifest = json.loads(path.read_text())
-    assert manifest["config"]["tree_format"] == store.TREE_FORMAT
+    assert manifest["config"]["tree_format"] == TREE_FORMAT
     del manifest["config"]["tree_format"]  # as format 1 wrote it (and so another config hash)
     manifest["config_hash"] = "0123456789ab"
     path.write_text(json.dumps(manifest))
@@ -214,4 +215,4 @@ def test_an_older_tree_trace_format_is_refused_in_one_line(tmp_path, tiny_pair):
         generate(cfg, "test", tiny_pair)
     assert "\n" not in str(err.value) and "format 1" in str(err.value) and "overwrite=true" in str(err.value)
     generate(make_cfg(tmp_path, *TREE, "limit=1", "overwrite=true"), "test", tiny_pair)
-    assert json.loads(path.read_text())["config"]["tree_format"] == store.TREE_FORMAT
+    assert json.loads(path.read_text())["config"]["tree_format"] == TREE_FORMAT

@@ -79,56 +79,7 @@ class TraceDataModule(L.LightningDataModule):
         missing = [s for s in SPLITS if s not in self.traces]
         if missing:
             raise UserError(f"no traces for split(s) {missing}; train needs train, validation and test")
-        kind = self.spec.family
-        feature_cols = needed_columns(self.spec)
-        base_cols = baseline_columns(kind.baselines)
-        tree_cols = ("on_path", "node", "parent", "position") if kind.tree else ()  # the test report's node views
-        needed = (tuple(required_columns(self.labels_cfg)) + feature_cols + tuple(kind.position_columns)
-                  + weight_columns(self.labels_cfg) + base_cols + tree_cols + ("prompt_id",))
-        prompts = {}
-        for split in SPLITS:
-            ds = self.traces[split]
-            if len(ds) == 0:
-                raise UserError(f"the {split} split has no trace rows; raise limit= or check dataset= and its splits")
-            names = ds.column_names if hasattr(ds, "column_names") else list(ds)
-            lack = [c for c in feature_cols if c not in names]
-            if lack:
-                hint = " (regenerate with trace.store_hidden=true)" if "draft_hidden" in lack else ""
-                if set(lack) & {"target_margin", "context_token", "prompt_tokens"}:
-                    hint = (" (made before disco_plus features existed: regenerate them with python -m data_gen and the "
-                            "same settings plus overwrite=true, or delete the trace folder and rerun train)")
-                if kind.tree and "on_path" in names:  # tree traces of an older TREE_FORMAT (data_gen.store)
-                    hint = (" (tree traces made before these node columns existed: regenerate them with python -m "
-                            "data_gen trace=tree and the same settings plus overwrite=true)")
-                elif kind.tree:
-                    hint = " (node heads read token-tree traces: trace=tree)"
-                elif "on_path" in names:
-                    hint = " (these are token-tree traces: train a node head, model=c2t | tree_node, labels=on_path)"
-                raise UserError(f"{self.spec.kind} features need trace column(s) {lack} missing from the {split} traces{hint}")
-            cols = trace_columns(ds, [c for c in dict.fromkeys(needed) if c in names])
-            labels = make_labels(cols, self.labels_cfg)
-            weights = make_weights(cols, self.labels_cfg)
-            x = features_from_columns(cols, self.spec)
-            pos = torch.as_tensor(kind.positions(cols), dtype=torch.long)
-            base = {c: cols[c] for c in base_cols if c in cols}
-            mask = make_mask(cols, self.labels_cfg)  # None: every row is labelled
-            nodes = None
-            if split == "test" and kind.tree and all(c in cols for c in tree_cols):
-                from models.features import parent_rows
-
-                nodes = {"x": x, "on_path": np.asarray(cols["on_path"]).astype(bool), "parent_row": parent_rows(cols),
-                         "base": dict(base)}
-            if mask is not None:
-                if not mask.any():
-                    raise UserError(f"the {split} split has no rows that labels={self.labels_cfg.name} labels")
-                keep = torch.as_tensor(mask)
-                x, pos, labels, weights = x[keep], pos[keep], labels[mask], weights[mask]
-                base = {c: v[mask] for c, v in base.items()}
-            self.data[split] = {"x": x, "y": torch.as_tensor(labels, dtype=torch.float32), "pos": pos,
-                                "w": torch.as_tensor(weights, dtype=torch.float32), "base": base}
-            if nodes is not None:
-                self.data[split]["nodes"] = nodes
-            prompts[split] = set(np.asarray(cols["prompt_id"]).tolist())
+        prompts = {split: self._split(split) for split in SPLITS}
         for i, a in enumerate(SPLITS):
             for b in SPLITS[i + 1 :]:
                 both = prompts[a] & prompts[b]
@@ -149,6 +100,50 @@ class TraceDataModule(L.LightningDataModule):
         for split in SPLITS:
             yy = self.data[split]["y"]
             log.info("%s: %d rows, %.1f%% positive (labels >= 0.5)", split, len(yy), 100 * float((yy >= 0.5).float().mean()))
+
+    def _columns(self) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+        """(every trace column a split's tensors read, the feature columns, the node views' columns)."""
+        kind = self.spec.family
+        feature_cols = needed_columns(self.spec)
+        tree_cols = ("on_path", "node", "parent", "position") if kind.tree else ()  # the test report's node views
+        needed = (tuple(required_columns(self.labels_cfg)) + feature_cols + tuple(kind.position_columns)
+                  + weight_columns(self.labels_cfg) + baseline_columns(kind.baselines) + tree_cols + ("prompt_id",))
+        return needed, feature_cols, tree_cols
+
+    def _split(self, split: str) -> set:
+        """Fill `self.data[split]` (x, y, pos, w, base; and the test split's `nodes`) from its traces; returns its
+        prompt ids."""
+        kind = self.spec.family
+        needed, feature_cols, tree_cols = self._columns()
+        ds = self.traces[split]
+        if len(ds) == 0:
+            raise UserError(f"the {split} split has no trace rows; raise limit= or check dataset= and its splits")
+        names = ds.column_names if hasattr(ds, "column_names") else list(ds)
+        lack = [c for c in feature_cols if c not in names]
+        if lack:
+            raise UserError(f"{self.spec.kind} features need trace column(s) {lack} missing from the {split} traces"
+                            f"{_missing_hint(lack, names, kind.tree)}")
+        cols = trace_columns(ds, [c for c in dict.fromkeys(needed) if c in names])
+        labels = make_labels(cols, self.labels_cfg)
+        weights = make_weights(cols, self.labels_cfg)
+        x = features_from_columns(cols, self.spec)
+        pos = torch.as_tensor(kind.positions(cols), dtype=torch.long)
+        base = {c: cols[c] for c in baseline_columns(kind.baselines) if c in cols}
+        mask = make_mask(cols, self.labels_cfg)  # None: every row is labelled
+        if split == "test" and kind.tree and all(c in cols for c in tree_cols):
+            from models.features import parent_rows
+
+            self.data.setdefault(split, {})["nodes"] = {"x": x, "on_path": np.asarray(cols["on_path"]).astype(bool),
+                                                        "parent_row": parent_rows(cols), "base": dict(base)}
+        if mask is not None:
+            if not mask.any():
+                raise UserError(f"the {split} split has no rows that labels={self.labels_cfg.name} labels")
+            keep = torch.as_tensor(mask)
+            x, pos, labels, weights = x[keep], pos[keep], labels[mask], weights[mask]
+            base = {c: v[mask] for c, v in base.items()}
+        self.data.setdefault(split, {}).update({"x": x, "y": torch.as_tensor(labels, dtype=torch.float32), "pos": pos,
+                                                "w": torch.as_tensor(weights, dtype=torch.float32), "base": base})
+        return set(np.asarray(cols["prompt_id"]).tolist())
 
     def _loader(self, split: str, train: bool = False) -> DataLoader:
         d = self.data[split]
@@ -182,3 +177,19 @@ class TraceDataModule(L.LightningDataModule):
     @property
     def soft_labels(self) -> bool:
         return is_soft(self.labels_cfg)
+
+
+def _missing_hint(lack: list[str], names: list[str], tree: bool) -> str:
+    """What to do about feature columns a split's traces lack: which traces or which head they call for."""
+    hint = " (regenerate with trace.store_hidden=true)" if "draft_hidden" in lack else ""
+    if set(lack) & {"target_margin", "context_token", "prompt_tokens"}:
+        hint = (" (made before disco_plus features existed: regenerate them with python -m data_gen and the "
+                "same settings plus overwrite=true, or delete the trace folder and rerun train)")
+    if tree and "on_path" in names:  # tree traces of an older TREE_FORMAT (data_gen.tree_format)
+        hint = (" (tree traces made before these node columns existed: regenerate them with python -m "
+                "data_gen trace=tree and the same settings plus overwrite=true)")
+    elif tree:
+        hint = " (node heads read token-tree traces: trace=tree)"
+    elif "on_path" in names:
+        hint = " (these are token-tree traces: train a node head, model=c2t | tree_node, labels=on_path)"
+    return hint

@@ -10,6 +10,7 @@ from __future__ import annotations
 import lightning as L
 import torch
 import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
 from torchmetrics import MetricCollection
 from torchmetrics.classification import BinaryAUROC, BinaryAveragePrecision, BinaryF1Score
 
@@ -35,11 +36,19 @@ class StopHeadModule(L.LightningModule):
         tokenizer_hash: str = "",
         mean: list | None = None,
         std: list | None = None,
+        **spec_keys,
     ):
+        """Built from `conf/model/<kind>.yaml` (its `_target_`) by the train job, which adds the feature spec sized
+        from the traces, the labels and the fitted statistics. `spec_keys`: the yaml's feature-spec keys (`k`,
+        `groups`, ...), already in `spec`; not hyperparameters of their own."""
         super().__init__()
         if threshold_mode not in ("best_f1", "fixed"):
             raise UserError(f"threshold_mode='{threshold_mode}' is not one of: best_f1, fixed")
-        self.save_hyperparameters(ignore=["mean", "std"])
+        if isinstance(arch, DictConfig):  # as the yaml composed it; the checkpoint keeps a plain dict
+            arch = OmegaConf.to_container(arch, resolve=True)
+        if isinstance(labels, DictConfig):
+            labels = OmegaConf.to_container(labels, resolve=True)
+        self.save_hyperparameters(ignore=["mean", "std", *spec_keys])
         self.spec = FeatureSpec(**spec)
         self.head = build_head(kind, self.spec, arch)
         if mean is not None:
