@@ -37,8 +37,11 @@ def tiny_pair(tiny_cfg):
 
 
 def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
-    """Run `python -m ...` like a user would; returns the completed process (text output)."""
-    env = dict(os.environ, WANDB_MODE="offline", HYDRA_FULL_ERROR="0", PYTHONUNBUFFERED="1")
+    """Run `python -m ...` like a user would; returns the completed process (text output). tests/ is on the
+    child's PYTHONPATH so a class a test module defines (a policy, label scheme, trace kind, pair source, loss) is
+    importable there under the name pytest gave it (`test_labels.DraftOverTarget`), as a user's own module would be."""
+    path = os.pathsep.join(p for p in (str(REPO / "tests"), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, WANDB_MODE="offline", HYDRA_FULL_ERROR="0", PYTHONUNBUFFERED="1", PYTHONPATH=path)
     return subprocess.run(
         [sys.executable, "-m", *args], cwd=cwd or REPO, env=env, capture_output=True, text=True, timeout=timeout
     )

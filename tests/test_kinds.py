@@ -32,16 +32,23 @@ class FirstPositions(TargetAR):
         return out
 
 
-def data_gen_cfg(tmp_path, *overrides):
+OVERRIDES = ("pair=tiny_random", "dataset=mbpp", "progress=false", "max_prompt_tokens=40", "split=test", "limit=3")
+
+
+def user_conf(tmp_path):
+    """A user's conf dir holding trace/first_positions.yaml (this module's class)."""
     root = tmp_path / "user_conf"
     (root / "trace").mkdir(parents=True, exist_ok=True)
     (root / "trace" / "first_positions.yaml").write_text(
         f"# a test kind\n_target_: {__name__}.FirstPositions\nkind: first_positions\nmax_new_tokens: 8\n"
         "temperature: 0.0\ntop_p: 1.0\nseed: 0\nstore_hidden: false\ntopk: 10\nkeep: 3\n")
+    return root
+
+
+def data_gen_cfg(tmp_path, *overrides):
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        return compose("data_gen", ["pair=tiny_random", "dataset=mbpp", f"trace_root={tmp_path / 'traces'}",
-                                    "progress=false", "max_prompt_tokens=40", "split=test", "limit=3",
-                                    f"hydra.searchpath=[file://{root}]", *overrides])
+        return compose("data_gen", [*OVERRIDES, f"trace_root={tmp_path / 'traces'}",
+                                    f"hydra.searchpath=[file://{user_conf(tmp_path)}]", *overrides])
 
 
 def test_each_kind_is_read_from_its_class():
@@ -57,14 +64,17 @@ def test_each_kind_is_read_from_its_class():
 
 
 @pytest.mark.slow
-def test_a_new_kind_generates_traces_through_data_gen(tmp_path, tiny_pair):
-    """`python -m data_gen trace=first_positions hydra.searchpath=[file://DIR]` (the `generate` its entry runs):
-    the class's rows, folder name and manifest entry, and the rows are target_ar's first positions."""
+def test_a_new_kind_generates_traces_through_the_data_gen_command(tmp_path, tiny_pair, cli):
+    """`python -m data_gen trace=first_positions hydra.searchpath=[file://DIR]` as a user types it: the class's rows,
+    folder name and manifest entry, and the rows are target_ar's first positions."""
     from data_gen.run import generate
     from data_gen.store import load_traces
 
-    cfg = data_gen_cfg(tmp_path, "trace=first_positions")
-    folder = generate(cfg, "test", tiny_pair)
+    done = cli("data_gen", *OVERRIDES, "trace=first_positions", f"trace_root={tmp_path / 'traces'}",
+               f"hydra.searchpath=[file://{user_conf(tmp_path)}]", f"hydra.run.dir={tmp_path / 'run'}")
+    assert done.returncode == 0, done.stderr[-2000:]
+    (folder,) = [p for p in (tmp_path / "traces").rglob("manifest.json")]
+    folder = folder.parent
     assert folder.name.endswith("-keep3--test-lim3") and "--first_positions-" in folder.name
     manifest = json.loads((folder / "manifest.json").read_text())
     assert manifest["trace_kind"] == "first_positions" and manifest["keep"] == 3 and manifest["complete"]

@@ -127,28 +127,23 @@ def test_a_scheme_is_read_from_its_class(user_conf):
 
 
 @pytest.mark.slow
-def test_a_new_scheme_trains_a_head_through_the_train_job(user_conf, tmp_path):
-    """`python -m train +experiment=smoke labels=draft_over_target hydra.searchpath=[file://DIR]` (the job its entry
-    runs, on the tiny pair): the head trains on the scheme's labels and its checkpoint records the class."""
+def test_a_new_scheme_trains_a_head_through_the_train_command(user_conf, tmp_path, cli):
+    """`python -m train +experiment=smoke labels=draft_over_target hydra.searchpath=[file://DIR]` as a user types it
+    (the tiny pair): the head trains on the scheme's labels and its checkpoint records the class."""
     import json
 
-    from hydra import compose, initialize_config_dir
-    from omegaconf import open_dict
-
+    from data_gen import store
     from models.heads import load_head
-    from train.inputs import load_traces
-    from train.job import run
 
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose("train", ["+experiment=smoke", "labels=draft_over_target", "logger=none", "trainer.max_epochs=1",
-                                f"trace_root={tmp_path / 'traces'}", f"hydra.searchpath=[file://{user_conf}]"])
-    with open_dict(cfg):
-        cfg.progress = False
-        cfg.trainer.enable_progress_bar = False
-    results = run(cfg, tmp_path / "run")
-    assert json.loads((tmp_path / "run" / "results.json").read_text())["labels"]["name"] == "draft_over_target"
-    traces, _ = load_traces(cfg)
-    y = DraftOverTarget().labels({c: np.asarray(traces["test"][c]) for c in ("q_draft", "p_draft")})
+    run_dir = tmp_path / "run"
+    done = cli("train", "+experiment=smoke", "labels=draft_over_target", "labels.factor=1.0", "logger=none",
+               "trainer.max_epochs=1", f"trace_root={tmp_path / 'traces'}", f"hydra.searchpath=[file://{user_conf}]",
+               f"hydra.run.dir={run_dir}")
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = json.loads((run_dir / "results.json").read_text())
+    assert results["labels"]["name"] == "draft_over_target"
+    test, _ = store.load_traces(next((tmp_path / "traces").rglob("*test*")))
+    y = DraftOverTarget().labels({c: np.asarray(test[c]) for c in ("q_draft", "p_draft")})
     assert results["test/rows"] == len(y) and results["test/positive_rate"] == pytest.approx(float(y.mean()))
     assert 0 < y.mean() < 1 and np.isfinite(results["test/auroc"])
     bundle = load_head(results["ckpt_path"])
