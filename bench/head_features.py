@@ -28,7 +28,7 @@ from sklearn.ensemble import HistGradientBoostingClassifier
 from sklearn.metrics import roc_auc_score
 
 from bench import command, repo_path
-from models.features import continuation_starts, trace_round_positions
+from models.features.trace import continuation_starts, trace_round_positions
 from utils.cli import UserError, hydra_entry
 from utils.files import write_result
 

@@ -37,7 +37,9 @@ from bench import REPO, command, repo_path
 from decode.policies import ExpectedValueRule, StopPolicy, platt
 from eval.replay import CONTINUATION_COLUMNS, continuations, load_greedy_traces, replay_one, summarize
 from models.cost import CostProfile
-from models.features import FeatureSpec, continuation_starts, features_from_columns, needed_columns, token_classes
+from models.features.spec import features_from_columns, FeatureSpec, needed_columns
+from models.features.text import token_classes
+from models.features.trace import continuation_starts
 from utils.cli import UserError, hydra_entry
 from utils.files import write_result
 

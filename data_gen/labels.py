@@ -103,7 +103,7 @@ def make_mask(columns: dict, cfg: DictConfig) -> np.ndarray | None:
     whose parent (in the same (prompt_id, position) tree) is on the path, and the root's children."""
     if not is_conditional(cfg):
         return None
-    from models.features import parent_on_path_rows, parent_rows
+    from models.features.nodes import parent_on_path_rows, parent_rows
 
     make_labels(columns, cfg)  # missing columns → its one-line error
     try:
@@ -134,7 +134,7 @@ def weight_columns(cfg: DictConfig) -> tuple[str, ...]:
 
 def make_weights(columns: dict, cfg: DictConfig) -> np.ndarray:
     """Per-row loss weights R + (1 − R)·reach_weight (module docstring); all ones when reach_weight = 1."""
-    from models.features import trace_round_positions
+    from models.features.trace import trace_round_positions
 
     w = reach_weight(cfg)
     n = len(columns["position"]) if "position" in columns else len(next(iter(columns.values())))

@@ -24,8 +24,9 @@ import torch
 from decode.tree import commit, grow, root_stats
 from decode.tree import verify as tree_verify
 from decode.verify import greedy_verify, sample_verify, sprinter_verify
-from models.distributions import draft_probs, entropy, greedy_ids, logit_stats, top2_margin, tvd
-from models.features import ContextIndex, DraftStep, VerifyStats
+from models.distributions import draft_probs, greedy_ids, tvd, verification_stats
+from models.features.context import ContextIndex
+from models.features.signals import DraftStep, VerifyStats, compared
 from models.lm import LM, Clock
 
 
@@ -89,17 +90,12 @@ def autoregressive(pair, prompt_ids: list[int], max_new_tokens: int, temperature
 
 
 def _verify_stats(p: torch.Tensor | None, logits: torch.Tensor, qs: list, support, k: int, n: int) -> VerifyStats:
-    """models.features.VerifyStats of one verification from p (as traces define it) at positions 0..n: its entropy
-    and margin at the last verified position n, and the mean TVD(p, q) over the drafted positions up to the first
-    rejection (0..min(n, k − 1)). Greedy verification builds no p: then the same numbers come from the logits and
-    q on the draft's support (`qs`, models.distributions.logit_stats), a fraction of the work."""
-    m = min(n + 1, k)
-    if p is None:
-        ent, margin, tv = logit_stats(logits[: n + 1], support, torch.stack(qs[:m]) if m else None)
-    else:
-        ent, margin = entropy(p[n]), top2_margin(p[n])
-        tv = tvd(p[:m], torch.stack(qs[:m])) if m else p[:0, 0]
-    return VerifyStats(float(ent), float(margin), k, n, float(tv.mean()) if m else 0.0)
+    """models.features.signals.VerifyStats of one verification that drafted k and kept n, from p (sampling) or the
+    target's logits (greedy) at positions 0..n: models.distributions.verification_stats over the `compared`
+    positions."""
+    m = int(compared(k, n))
+    ent, margin, tv = verification_stats(logits[: n + 1], None if p is None else p[: n + 1], qs, m, support)
+    return VerifyStats.of(ent, margin, tv, k, n)
 
 
 @dataclass(frozen=True)

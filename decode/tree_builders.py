@@ -15,11 +15,10 @@ verification pass where the profile says so, and on a CPU whose t(n) climbs with
 
 from __future__ import annotations
 
-import operator
-
 import numpy as np
 
 from decode.policies import StopPolicy
+from models.features.nodes import compose_path
 from utils.cli import UserError
 
 
@@ -115,23 +114,20 @@ class GrownTree(TreeBuilder):
         raise NotImplementedError
 
     def pick(self, candidate) -> list[int]:
-        from models.tree import Tree
+        from models.tree import grow_levels, Tree
 
         self._replay_missing = 0
-        tree, back, frontier = Tree(root_q=None), [], [-1]
-        for level in range(1, self.max_depth + 1):
+        tree, back = Tree(root_q=None), []
+
+        def add(tree, par, level):  # the candidate's nodes `children` would add, with the recorded joints
             new = []
-            for par in frontier:
-                for c in self.replay_children(tree, par, candidate, -1 if par < 0 else back[par], level):
-                    new.append(tree.add(par, candidate.tokens[c], own_prob(candidate, c), candidate.rank[c]))
-                    tree.joint[-1] = candidate.joint[c]  # the recorded joint itself, not a re-multiplied one
-                    back.append(c)
-            if not new or level == self.max_depth:
-                break
-            frontier = self.expand(tree, new, level)
-            if not frontier:
-                break
-            tree.levels.append(len(frontier))  # decode's draft call on them (models.tree.grow)
+            for c in self.replay_children(tree, par, candidate, -1 if par < 0 else back[par], level):
+                new.append(tree.add(par, candidate.tokens[c], own_prob(candidate, c), candidate.rank[c]))
+                tree.joint[-1] = candidate.joint[c]  # the recorded joint itself, not a re-multiplied one
+                back.append(c)
+            return new
+
+        grow_levels(tree, self.max_depth, add, self.expand)  # decode's level loop, without the draft calls
         self._replay_levels = list(tree.levels)
         return sorted(back[i] for i in self.select(tree))
 
@@ -411,7 +407,7 @@ class LearnedTree(Eagle2):
     expected tokens per unit time on the measured profile (`Eagle2`). A node's estimate is capped by its parent's
     (a node cannot be accepted without its parent), so selections stay ancestor-closed. A head trained on
     labels=on_path_given_parent predicts P(accepted | parent accepted), so its estimate is instead the product of P
-    along the root path (models.features.compose_path), as EAGLE-2's joint is the product of q: a calibrated edge
+    along the root path (models.features.nodes.compose_path), as EAGLE-2's joint is the product of q: a calibrated edge
     probability composed into P(on path), still never above the parent's."""
 
     name = "learned_tree"
@@ -420,7 +416,7 @@ class LearnedTree(Eagle2):
     def __init__(self, bundle=None, topk: int = 4, max_depth: int = 6, max_nodes: int = 32, nodes: int | None = None,
                  threshold: float | None = None, profile=None):
         super().__init__(topk, max_depth, max_nodes, nodes, threshold, profile)
-        from models.features import feature_kind
+        from models.features.spec import feature_kind
 
         kind = feature_kind(bundle.spec.kind) if bundle is not None else None
         if kind is None or not getattr(kind, "tree", False):
@@ -440,7 +436,7 @@ class LearnedTree(Eagle2):
 
     def acceptance(self, tree):
         """P(on path) of every node so far. Only the nodes added since the last call are scored and composed (a
-        parent comes before its children, so theirs is known): models.features.compose_path's numbers, node by node."""
+        parent comes before its children, so theirs is known): models.features.nodes.compose_path, from where the last call stopped."""
         if len(tree.score) < len(tree):  # decode: score the nodes added since (their parents' distributions are known)
             new = list(range(len(tree.score), len(tree)))
             x = self.kind.node_rows(tree, new, self.bundle.spec)
@@ -448,10 +444,10 @@ class LearnedTree(Eagle2):
             tree.score.extend(self._rows(x.numpy()).reshape(-1).tolist())
         if self._acc[0] is not tree:
             self._acc = (tree, [])
-        acc, op = self._acc[1], operator.mul if self.conditional else min
-        for i in range(len(acc), len(tree)):
-            par = tree.parents[i]
-            acc.append(float(tree.score[i]) if par < 0 else op(float(tree.score[i]), acc[par]))
+        if len(self._acc[1]) < len(tree):  # compose the nodes added since (their parents' are known)
+            how = "product" if self.conditional else "min"
+            self._acc = (tree, compose_path(tree.score[: len(tree)], tree.parents, how, self._acc[1]).tolist())
+        acc = self._acc[1]
         return acc
 
     def describe(self):

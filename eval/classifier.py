@@ -132,7 +132,7 @@ def node_views(scores, on_path, parent_row, base: dict, names, conditional: bool
     the path. Returns {"path" | "cond": {rows, positive_rate, auroc, auroc_<baseline>, ...}, "path_score": what the
     path view ranks by}."""
     from eval.metrics import classification_metrics
-    from models.features import compose_path, parent_on_path_rows
+    from models.features.nodes import compose_path, parent_on_path_rows
 
     s = np.asarray(scores, dtype=np.float64)
     y = np.asarray(on_path).astype(np.float32)
@@ -155,7 +155,7 @@ def scored_rows(bundle, ds, folder: Path):
     from data_gen.contract import trace_columns
     from data_gen.labels import make_labels, required_columns
     from eval.metrics import baseline_columns
-    from models.features import features_from_columns, needed_columns
+    from models.features.spec import features_from_columns, needed_columns
 
     names = list(ds.column_names)
     labels_cfg = OmegaConf.create(bundle.labels)
@@ -179,7 +179,8 @@ def evaluate(bundle, ds, manifest: dict, folder: Path) -> dict:
     """Every item-1 number (and item 3 for SPRINTER heads) for one checkpoint on one loaded trace split."""
     from data_gen.labels import is_conditional, make_mask
     from eval.metrics import baseline_columns, best_f1_threshold, classification_metrics, roc_pr_points, static_length_f1
-    from models.features import continuation_starts, parent_rows
+    from models.features.nodes import parent_rows
+    from models.features.trace import continuation_starts
     from models.heads import head_family
 
     check_compatible(bundle, manifest, folder, list(ds.column_names))

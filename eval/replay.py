@@ -49,7 +49,8 @@ from decode.policies import Learned, StopPolicy, build_policy, split_spec
 from decode.methods import Method, methods_from_cfg
 from decode.tune import choose, grid_params, tune_grid
 from utils.files import jsonl_text
-from models.features import DraftStep, VerifyStats, continuation_starts
+from models.features.signals import DraftStep, VerifyStats, compared
+from models.features.trace import continuation_starts
 from utils.cli import UserError, hydra_entry, output_dir
 
 
@@ -90,9 +91,7 @@ class Continuation:
         """The loop's VerifyStats (decode.loop._verify_stats) of a round that started at row t, drafted k, kept n:
         the target produced row t + n's token, so H_p and the margin are row t + n's, TVD averaged over rows
         t .. t + min(n + 1, k) − 1."""
-        m = min(n + 1, k)
-        mean_tvd = float(np.mean(self.tvd[t : t + m])) if m else 0.0
-        return VerifyStats(float(self.target_entropy[t + n]), float(self.target_margin[t + n]), k, n, mean_tvd)
+        return VerifyStats.of(self.target_entropy[t + n], self.target_margin[t + n], self.tvd[t : t + compared(k, n)], k, n)
 
 
 def check_greedy(manifest: dict, where) -> None:
@@ -159,7 +158,7 @@ def score_auroc(policy: StopPolicy, cols: dict) -> float | None:
     elif policy.trace_score == "neg_entropy":
         score = -np.asarray(cols["draft_entropy"])
     elif policy.learned:
-        from models.features import features_from_columns
+        from models.features.spec import features_from_columns
 
         with torch.no_grad():
             score = policy.bundle.prob(features_from_columns(cols, policy.bundle.spec)).numpy()

@@ -95,7 +95,7 @@ def path_scores(builder, cands, scores: np.ndarray) -> np.ndarray:
     recorded tree's root path as the builder prunes by it (models.features.compose_path) — the product for a
     conditional head (labels=on_path_given_parent), the P capped by its parent's for an on_path head — over the
     replayed prompts' nodes, so the quantiles are of the quantity the threshold meets."""
-    from models.features import compose_path
+    from models.features.nodes import compose_path
 
     how = "product" if getattr(builder, "conditional", False) else "min"
     return np.concatenate([compose_path(scores[rows], t.parents, how) for c in cands

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from models.features import FeatureSpec
+from models.features.spec import FeatureSpec
 from utils.cli import UserError
 
 CKPT_KEY = "specstop"

@@ -108,7 +108,7 @@ def test_results_json_keeps_its_keys_and_eval_gives_the_same_numbers(tmp_path):
     head on the test traces' own columns."""
     from data_gen.contract import trace_columns
     from eval.classifier import baseline_auroc, calibration
-    from models.features import features_from_columns
+    from models.features.spec import features_from_columns
 
     cfg = cfg_for("model=disco", "trainer=fast_dev_run")
     traces, manifests = splits()

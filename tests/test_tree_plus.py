@@ -10,7 +10,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from models.features import COPY, ContextIndex, FeatureSpec, feature_kind, node_copy_columns
+from models.features.context import ContextIndex
+from models.features.layout import COPY
+from models.features.nodes import node_copy_columns
+from models.features.spec import feature_kind, FeatureSpec
 from models.tree import Tree
 from utils.cli import UserError
 
