@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 from bench import REPO, command, repo_path
 from data_gen.traces import _forward, _head
-from eval.replay import load_greedy_traces
+from eval.continuations import load_greedy_traces
 from models.distributions import draft_probs
 from models.features.context import ContextIndex
 from models.features.spec import features_from_columns, FeatureSpec, needed_columns

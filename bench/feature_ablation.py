@@ -32,7 +32,7 @@ N_IDS = 250
 
 
 def load(folder: Path, spec):
-    from eval.replay import load_greedy_traces
+    from eval.continuations import load_greedy_traces
     from models.features.spec import features_from_columns, needed_columns
 
     cols, manifest = load_greedy_traces(folder, list(needed_columns(spec)))

@@ -38,7 +38,7 @@ COLUMNS = ["prompt_id", "kind", "position", "draft_token", "target_token", "draf
 
 
 def load(folder: Path) -> tuple[dict, dict]:
-    from eval.replay import load_greedy_traces
+    from eval.continuations import load_greedy_traces
 
     return load_greedy_traces(folder, COLUMNS)
 

@@ -35,7 +35,8 @@ from sklearn.metrics import roc_auc_score
 
 from bench import REPO, command, repo_path
 from decode.policies import ExpectedValueRule, StopPolicy, platt
-from eval.replay import CONTINUATION_COLUMNS, continuations, load_greedy_traces, replay_one, summarize
+from eval.continuations import CONTINUATION_COLUMNS, continuations, load_greedy_traces
+from eval.replay import replay_one, summarize
 from models.cost import CostProfile
 from models.features.spec import features_from_columns, FeatureSpec, needed_columns
 from models.features.text import token_classes

@@ -51,7 +51,7 @@ from tqdm import tqdm
 from bench import command, repo_path
 from bench.extra_features import hidden_states
 from data_gen.traces import _head
-from eval.replay import load_greedy_traces
+from eval.continuations import load_greedy_traces
 from models.distributions import draft_probs, entropy
 from models.features.context import ContextIndex
 from models.features.trace import continuation_starts

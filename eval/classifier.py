@@ -175,10 +175,33 @@ def scored_rows(bundle, ds, folder: Path):
     return cols, y, scores, labels_cfg
 
 
+def _at_thresholds(scores, y, threshold: float) -> dict:
+    """The head's classification numbers at its checkpoint's threshold and at the best-F1 threshold (`evaluate`)."""
+    from eval.metrics import best_f1_threshold, classification_metrics
+
+    at_ckpt = classification_metrics(scores, y, threshold)
+    best_thr, _ = best_f1_threshold(scores, y)
+    at_best = classification_metrics(scores, y, best_thr)
+    return {
+        "auroc": at_ckpt["auroc"],
+        "ap": at_ckpt["ap"],
+        "threshold": threshold,
+        "f1": at_ckpt["f1"],
+        "precision": at_ckpt["precision"],
+        "recall": at_ckpt["recall"],
+        "confusion": {k: at_ckpt[k] for k in ("tp", "fp", "tn", "fn")},
+        "best_f1_threshold": best_thr,
+        "best_f1": at_best["f1"],
+        "best_f1_precision": at_best["precision"],
+        "best_f1_recall": at_best["recall"],
+        "best_f1_confusion": {k: at_best[k] for k in ("tp", "fp", "tn", "fn")},
+    }
+
+
 def evaluate(bundle, ds, manifest: dict, folder: Path) -> dict:
     """Every item-1 number (and item 3 for SPRINTER heads) for one checkpoint on one loaded trace split."""
     from data_gen.labels import is_conditional, make_mask
-    from eval.metrics import baseline_columns, best_f1_threshold, classification_metrics, roc_pr_points, static_length_f1
+    from eval.metrics import baseline_columns, roc_pr_points, static_length_f1
     from models.features.nodes import parent_rows
     from models.features.trace import continuation_starts
     from models.heads import head_family
@@ -199,9 +222,6 @@ def evaluate(bundle, ds, manifest: dict, folder: Path) -> dict:
         y, scores = y[mask], scores[mask]
     round_pos = np.asarray(kind.positions(cols))  # chain: position in the draft round; tree node: depth − 1
     cont_pos = np.asarray(cols["position"]).astype(np.int64)
-    at_ckpt = classification_metrics(scores, y, bundle.threshold)
-    best_thr, _ = best_f1_threshold(scores, y)
-    at_best = classification_metrics(scores, y, best_thr)
     static = {"f1_static_best": None, "k_best": None} if kind.tree else static_length_f1(y, round_pos)
     calib = calibration(scores, y)
     report = {
@@ -212,18 +232,7 @@ def evaluate(bundle, ds, manifest: dict, folder: Path) -> dict:
         "traces": str(folder),
         "rows": int(len(y)),
         "positive_rate": float((y >= 0.5).mean()),
-        "auroc": at_ckpt["auroc"],
-        "ap": at_ckpt["ap"],
-        "threshold": float(bundle.threshold),
-        "f1": at_ckpt["f1"],
-        "precision": at_ckpt["precision"],
-        "recall": at_ckpt["recall"],
-        "confusion": {k: at_ckpt[k] for k in ("tp", "fp", "tn", "fn")},
-        "best_f1_threshold": best_thr,
-        "best_f1": at_best["f1"],
-        "best_f1_precision": at_best["precision"],
-        "best_f1_recall": at_best["recall"],
-        "best_f1_confusion": {k: at_best[k] for k in ("tp", "fp", "tn", "fn")},
+        **_at_thresholds(scores, y, float(bundle.threshold)),
         "ece": calib["ece"],
         "reliability": calib["reliability"],
         "per_position_auroc": {b: v["auroc"] for b, v in per_bucket_auroc(scores, y, round_pos, ROUND_BUCKETS).items()},

@@ -16,8 +16,8 @@ families (`features`: the feature kind it reads; `raw_input`, `inert_constant_co
   score and training moves away from it only where the extra features pay.
 
 Calibration: `HeadBundle.calibration` = {temperature T, bias b} maps a logit z to sigmoid(z / T + b); train fits it on
-validation (`fit_calibration`, temperature scaling, plus a bias under `calibration=platt` — pos_weight and the
-train/test acceptance shift move the base rate, which a temperature alone cannot fix) and decode/eval apply it.
+validation (models.calibration.fit_calibration: temperature scaling, plus a bias under `calibration=platt` — pos_weight
+and the train/test acceptance shift move the base rate, which a temperature alone cannot fix) and decode/eval apply it.
 
 `train` saves a Lightning checkpoint whose `specstop` entry holds everything decode needs (feature spec, label
 scheme, threshold, pair id, tokenizer hash, architecture); `load_head(path)` rebuilds a `HeadBundle` from it.
@@ -302,35 +302,6 @@ def head_arch(kind: str, spec: FeatureSpec, arch: dict | None) -> dict:
     """The architecture kwargs for a spec (`HeadNet.arch_for`: disco_plus adds its spec's token-id columns)."""
     arch = dict(arch or {})
     return head_family(kind, arch).arch_for(spec, arch)
-
-
-def fit_calibration(logits: torch.Tensor, labels: torch.Tensor, mode: str = "platt", weights=None) -> dict:
-    """{temperature, bias} minimising the (weighted) BCE of sigmoid(z / T + b) on held-out rows (soft labels allowed).
-
-    `temperature`: b = 0 (Guo et al.'s temperature scaling); `platt`: T and b; `none`: identity.
-    """
-    if mode == "none":
-        return {"temperature": 1.0, "bias": 0.0, "mode": mode}
-    if mode not in ("temperature", "platt"):
-        raise UserError(f"calibration must be none, temperature or platt, got '{mode}'")
-    z, y = logits.detach().double().flatten(), labels.detach().double().flatten()
-    w = torch.ones_like(z) if weights is None else torch.as_tensor(weights).double().flatten()
-    log_t = torch.zeros((), dtype=torch.double, requires_grad=True)
-    b = torch.zeros((), dtype=torch.double, requires_grad=mode == "platt")
-    params = [log_t] + ([b] if mode == "platt" else [])
-    opt = torch.optim.LBFGS(params, lr=0.5, max_iter=200, line_search_fn="strong_wolfe")
-
-    def closure():
-        opt.zero_grad()
-        loss = (torch.nn.functional.binary_cross_entropy_with_logits(z / log_t.exp() + b, y, reduction="none") * w).sum() / w.sum()
-        loss.backward()
-        return loss
-
-    opt.step(closure)
-    t = float(log_t.detach().exp())
-    if not (0 < t < float("inf")) or t != t:
-        return {"temperature": 1.0, "bias": 0.0, "mode": "none"}
-    return {"temperature": t, "bias": float(b.detach()), "mode": mode}
 
 
 @dataclass

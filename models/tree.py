@@ -26,7 +26,7 @@ class Tree:
     token), `depth[i]` (1 for the root's children), `joint[i]` (product of the draft's probabilities along its path),
     `rank[i]` (1-based rank of its token in its parent's distribution). `q[i]`: the draft's distribution after the
     node, once the draft has run on it (then `dpos[i]` is its position in the draft cache). `score[i]`: a trained
-    node head's P(node on the accepted path), for the nodes scored so far (decode.tree_builders' learned builders;
+    node head's P(node on the accepted path), for the nodes scored so far (decode.learned_trees' builders;
     the replay fills it from the trace). `context`: a models.features.context.ContextIndex of the root's context (prompt +
     committed continuation) and `verify`: (H_p, top-2 margin of p) of the target distribution the last committed
     token came from ((0, 0) before the first verification) — given where a node head reads them (`node_columns`'

@@ -210,7 +210,8 @@ def test_disco_plus_trains_calibrates_and_decodes_losslessly(tmp_path, tiny_pair
     # the replay feeds the head the context and verification statistics as the loop does: on the same prompts its
     # accepted counts are the decoder's in every round, and so is its draft length where it stopped by then
     from decode.policies import build_policy
-    from eval.replay import load_continuations, replay_one
+    from eval.continuations import load_continuations
+    from eval.replay import replay_one
     from models.cost import CostProfile
 
     profile = CostProfile.from_dict(json.loads((out / "run.json").read_text())["cost_profile"])

@@ -223,7 +223,8 @@ def test_disco_plus_starts_as_max_q_and_embeds_token_ids():
 
 
 def test_calibration_fit_and_scorer():
-    from models.heads import DiscoFFN, fit_calibration
+    from models.calibration import fit_calibration
+    from models.heads import DiscoFFN
 
     g = torch.Generator().manual_seed(0)
     z = torch.randn(4000, generator=g) * 3

@@ -153,7 +153,7 @@ def fake_bundle(scheme: str):
 
 
 def test_learned_tree_composes_a_conditional_head_by_product():
-    from decode.tree_builders import C2T, LearnedTree
+    from decode.learned_trees import C2T, LearnedTree
     from models.cost import CostProfile
     from models.tree import Tree
 

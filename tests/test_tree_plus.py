@@ -102,7 +102,7 @@ def test_decode_hands_the_tree_the_traces_context_and_verification(tiny_cfg, mon
     rounding of the target's passes), and a node on the same root path gets the same tree_node_plus row."""
     import decode.tree
     from decode.loop import speculative
-    from decode.tree_builders import LearnedTree
+    from decode.learned_trees import LearnedTree
     from models.pair import load_pair
     from tests.test_decode import make_head
     from tests.test_tree_traces import trace_items

@@ -188,7 +188,8 @@ def test_dynamic_builders_replay_agrees_with_decode(close_pair, name):
     them from its own tree (node_rows), so this also checks the two feature paths agree inside the builder
     (learned_tree_plus: a tree_node_plus head, whose copy and verify columns decode gets from the loop)."""
     from decode.loop import speculative
-    from decode.tree_builders import C2T, Eagle2, LearnedTree
+    from decode.learned_trees import C2T, LearnedTree
+    from decode.tree_builders import Eagle2
     from eval.tree_replay import candidates_from_columns, replay
     from models.features.spec import feature_kind
     from tests.test_decode import make_head

@@ -220,7 +220,7 @@ def test_learned_builders_are_target_greedy_and_refuse_chain_heads(close_tiny, n
     once, and refuse a chain head in one line; a tree_node_plus head (copy and verify node groups) makes the loop
     hand each round's tree its context and the last verification's numbers."""
     from decode.loop import autoregressive, speculative
-    from decode.tree_builders import C2T, LearnedTree
+    from decode.learned_trees import C2T, LearnedTree
     from tests.test_decode import make_head
     from utils.cli import UserError
 

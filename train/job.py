@@ -436,7 +436,8 @@ def calibrate_checkpoint(path: Path, val: dict, mode: str, threshold_mode: str, 
     import torch
 
     from eval.metrics import best_f1_threshold
-    from models.heads import fit_calibration, load_head, update_head_meta
+    from models.calibration import fit_calibration
+    from models.heads import load_head, update_head_meta
 
     bundle = load_head(path)
     logits = bundle.logit(val["x"]).cpu()
@@ -454,7 +455,8 @@ def store_speed_rule(path: Path, val_ds, val_manifest: dict, conf) -> dict | Non
     the profile the traces were made with) and store it in the checkpoint, so `learned:<ckpt>` decodes with it
     without a tuning step. Skipped (None, with a note) for heads the replay cannot run and traces with no profile."""
     from data_gen.contract import trace_columns
-    from eval.replay import CONTINUATION_COLUMNS, continuations, speed_rule
+    from eval.continuations import CONTINUATION_COLUMNS, continuations
+    from eval.replay import speed_rule
     from models.cost import CostProfile
     from models.heads import load_head, update_head_meta
 
