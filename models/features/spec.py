@@ -9,7 +9,7 @@ import torch
 
 from models.features import chain, nodes  # noqa: F401  (defines the shipped kinds `feature_kinds` finds)
 from models.features.kind import FeatureKind
-from models.features.layout import DEFAULT_TOPK, TOKEN
+from models.features.layout import DEFAULT_TOPK, GROUPS, TOKEN
 from models.features.text import unpack_classes
 
 
@@ -42,7 +42,8 @@ class FeatureSpec:
         except ValueError:
             if kind is None:
                 raise
-            takes = ", ".join(g.name for g in resolve(folder, group_names(folder)))
+            known = group_names(folder)  # named, not built: a broken yaml must not hide this message
+            takes = ", ".join([g for g in GROUPS if g in known] + sorted(set(known) - set(GROUPS)))
             raise ValueError(f"a {self.kind} head takes the groups {takes}, not {list(names)}") from None
         object.__setattr__(self, "groups", tuple(g.name for g in found))
         if any(g.needs_classes for g in found) and not self.text_classes:
