@@ -14,7 +14,7 @@ its drafted path, `FeatureKind.positions`), and the chain-only static-length F1 
 
 A node head is also read two ways whatever its label scheme (`node_views`, train's test report too): `path` — label
 on_path over every node, the head's P(on path) (a conditional head's P composed by product along the root path,
-models.features.compose_path) against the joint probability and q_token; `cond` — the nodes whose parent is on the
+models.features.nodes.compose_path) against the joint probability and q_token; `cond` — the nodes whose parent is on the
 path (the root's children always), label on_path, the head's own P against the same baselines. The main numbers are
 on the rows the head's scheme labels (all nodes for on_path; the `cond` rows for on_path_given_parent, whose row mask
 `data_gen.labels.make_mask` applies to every metric, the calibration and the thresholds).
@@ -126,7 +126,7 @@ def sprinter_report(cols: dict, scores: np.ndarray, threshold: float, starts: np
 def node_views(scores, on_path, parent_row, base: dict, names, conditional: bool) -> dict:
     """A node head's AUROC in the two views (module docstring), each beside the training-free scores on its rows.
 
-    `scores`: the head's P on every node of the trees; `on_path`, `parent_row` (models.features.parent_rows) and
+    `scores`: the head's P on every node of the trees; `on_path`, `parent_row` (models.features.nodes.parent_rows) and
     `base` (the trace columns of the baselines `names`, eval.metrics.BASELINES) on the same rows; `conditional`: the
     head predicts P(on path | parent on path) (data_gen.labels.is_conditional), so its path view is the product along
     the path. Returns {"path" | "cond": {rows, positive_rate, auroc, auroc_<baseline>, ...}, "path_score": what the

@@ -8,10 +8,10 @@ families (`features`: the feature kind it reads; `raw_input`, `inert_constant_co
 - `sprinter`: SPRINTER's single linear layer (+ sigmoid) on the draft's last hidden state.
 - `specdecpp`: SpecDec++'s prediction head, residual blocks x + SiLU(W_i x + b_i) (independent weights per block)
   then a linear readout, on the draft hidden state.
-- `c2t` / `tree_node` / `tree_node_plus`: the DISCO network on a token-tree node's row (models.features' node
+- `c2t` / `tree_node` / `tree_node_plus`: the DISCO network on a token-tree node's row (models.features.nodes' node
   kinds), predicting whether the node is on the path greedy verification accepts (labels=on_path); decode's tree
   builders score nodes.
-- `disco_plus`: logit = a·logit(max q) + FFN(features) on the disco_plus features (models.features), token ids
+- `disco_plus`: logit = a·logit(max q) + FFN(features) on the disco_plus features (models.features.chain), token ids
   through hashed embeddings. The FFN's output layer starts at zero and a at 1, so a fresh head *is* the max-q
   score and training moves away from it only where the extra features pay.
 
@@ -41,7 +41,7 @@ CKPT_KEY = "specstop"
 class HeadNet(nn.Module):
     """A head family's network: (normalised) features → logit. Class attributes say how StopHead and decode treat it."""
 
-    features = ""  # the feature kind it reads (models.features.FeatureKind.name)
+    features = ""  # the feature kind it reads (models.features.kind.FeatureKind.name)
     raw_input = False  # forward(xn, x): also gets the raw features (not only the normalised ones)
     inert_constant_columns = False  # a column constant in training enters as 0 (std = inf) rather than std = 1
     cumulative = False  # its policy stops when 1 − Π P(accept) over the round exceeds the threshold (SpecDec++)
@@ -104,14 +104,14 @@ class C2TFFN(DiscoFFN):
 
 
 class TreeNodeFFN(DiscoFFN):
-    """The richer node head: the same 2-layer FFN on `tree_node` rows (models.features.TreeNodeFeatures)."""
+    """The richer node head: the same 2-layer FFN on `tree_node` rows (models.features.nodes.TreeNodeFeatures)."""
 
     features = "tree_node"
 
 
 class TreeNodePlusFFN(DiscoFFN):
     """The same 2-layer FFN on `tree_node_plus` rows (tree_node's + the verify and copy node groups,
-    models.features.TreeNodePlusFeatures)."""
+    models.features.nodes.TreeNodePlusFeatures)."""
 
     features = "tree_node_plus"
 

@@ -146,8 +146,9 @@ class NodeVerifyGroup(NodeGroup):
         import numpy as np
 
         if tree.verify is None:
-            raise RuntimeError("node features of group verify need Tree.verify (the last verification's target entropy "
-                               "and margin); grow the tree with verify=... (decode.loop does for builders whose head asks)")
+            raise RuntimeError("node features of group verify need Tree.verify (the last verification's target "
+                               "entropy and margin); grow the tree with verify=... (decode.loop does for builders "
+                               "whose head asks)")
         return {name: np.full(len(nodes), v, dtype=np.float32) for name, v in zip(self.trace_columns, tree.verify)}
 
 

@@ -18,9 +18,9 @@ class FeatureSpec:
     """What a head reads; stored in its checkpoint and checked by decode/eval against the pair and traces.
 
     kind: the name of a `FeatureKind` — `disco` (top-k + entropy + position), `hidden` (the draft's last hidden state
-    of size d) or `disco_plus` (the DISCO inputs followed by the chosen `groups`, in their order: models.features.groups;
-    `hidden` there appends d values). What differs between kinds is the kind class's business (`family`); the spec only holds the
-    numbers, so a checkpoint stores plain values.
+    of size d) or `disco_plus` (the DISCO inputs followed by the chosen `groups`, in their order:
+    models.features.groups; `hidden` there appends d values). What differs between kinds is the kind class's business
+    (`family`); the spec only holds the numbers, so a checkpoint stores plain values.
     """
 
     kind: str
