@@ -14,7 +14,7 @@ import torch
 from models.features.context import ContextIndex
 from models.features.groups import resolve
 from models.features.kind import FeatureKind
-from models.features.layout import ROUND_COLUMNS
+from models.features.layout import ROUND_COLUMNS, hidden_names
 from models.features.signals import DraftStep, disco_vector
 from models.features.text import advance_line
 from models.features.trace import as_array, hidden_columns, trace_round_positions
@@ -52,7 +52,7 @@ class HiddenFeatures(FeatureKind):
     name = "hidden"
 
     def names(self, spec):
-        return [f"h{i}" for i in range(spec.d)]
+        return hidden_names(spec.d)
 
     def columns(self, spec):
         return ("draft_hidden",)

@@ -9,7 +9,7 @@ adds, which trace columns it reads and what decode must hand it (context, verifi
 
 from __future__ import annotations
 
-from models.features.layout import COPY, NO_VERIFY, TEXT, TOKEN, VERIFY
+from models.features.layout import COPY, NO_VERIFY, TEXT, TOKEN, VERIFY, hidden_names
 from models.features.text import classes_of
 from models.features.trace import copy_token_columns, hidden_columns, text_columns, verify_columns
 
@@ -105,7 +105,7 @@ class HiddenGroup(FeatureGroup):
     trace_columns = ("draft_hidden",)
 
     def names(self, spec):
-        return [f"h{i}" for i in range(spec.d)]
+        return hidden_names(spec.d)
 
     def from_columns(self, columns, spec, cache):
         return hidden_columns(columns, spec.d)

@@ -18,3 +18,8 @@ NODE_VERIFY = ("root_target_entropy", "root_target_margin")
 NO_VERIFY = [0.0, 0.0, 0.0, 0.0, 0.0]  # the first round of a continuation has no verification before it
 # the trace columns every chain row's round position reads (models.features.trace.trace_round_positions)
 ROUND_COLUMNS = ("draft_token", "target_token", "position", "prompt_id", "kind")
+
+
+def hidden_names(d: int) -> list[str]:
+    """The columns of a hidden state of size d (the `hidden` kind and disco_plus's `hidden` group)."""
+    return [f"h{i}" for i in range(d)]
