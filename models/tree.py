@@ -23,20 +23,20 @@ from models.lm import tree_attention
 @dataclass
 class Tree:
     """The round's candidate tree. Node i: `tokens[i]`, `parents[i]` (−1: a child of the root, the last committed
-    token), `depth[i]` (1 for the root's children), `joint[i]` (product of the draft's probabilities along its path),
-    `rank[i]` (1-based rank of its token in its parent's distribution). `q[i]`: the draft's distribution after the
-    node, once the draft has run on it (then `dpos[i]` is its position in the draft cache). `score[i]`: a trained
-    node head's P(node on the accepted path), for the nodes scored so far (decode.learned_trees' builders;
-    the replay fills it from the trace). `context`: a models.features.context.ContextIndex of the root's context (prompt +
-    committed continuation) and `verify`: (H_p, top-2 margin of p) of the target distribution the last committed
-    token came from ((0, 0) before the first verification) — given where a node head reads them (`node_columns`'
-    groups copy / verify: tree traces always, decode for heads that ask). The index is the caller's and moves on
-    after the round (decode and traces push the committed tokens onto it): read it while the tree is the round's.
-    `support`: the draft's reduced vocabulary (models.lm.LM.support; None for a full head), outside which every q
-    is 0, so node features read q there (`node_columns`). `policy_s`: seconds `grow` spent in the expander (a
-    builder's own work — a node head's features and scores — which decode books as policy time, not draft time).
-    `stats(node, k)` / `q_token(node)` cache what the builders' children and the node features read of a
-    distribution, so each is computed once per node and round."""
+    token), `depth[i]` (1 for the root's children), `joint[i]` (product of the draft's probabilities along its
+    path), `rank[i]` (1-based rank of its token in its parent's distribution). `q[i]`: the draft's distribution
+    after the node, once the draft has run on it (then `dpos[i]` is its position in the draft cache). `score[i]`: a
+    trained node head's P(node on the accepted path), for the nodes scored so far (decode.learned_trees' builders;
+    the replay fills it from the trace). `context`: a models.features.context.ContextIndex of the root's context
+    (prompt + committed continuation) and `verify`: (H_p, top-2 margin of p) of the target distribution the last
+    committed token came from ((0, 0) before the first verification) — given where a node head reads them
+    (models.features.nodes.node_columns' groups copy / verify: tree traces always, decode for heads that ask). The
+    index is the caller's and moves on after the round (decode and traces push the committed tokens onto it): read
+    it while the tree is the round's. `support`: the draft's reduced vocabulary (models.lm.LM.support; None for a
+    full head), outside which every q is 0, so node features read q there (models.features.nodes.node_columns).
+    `policy_s`: seconds `grow` spent in the expander (a builder's own work — a node head's features and scores —
+    which decode books as policy time, not draft time). `stats(node, k)` / `q_token(node)` cache what the builders'
+    children and the node features read of a distribution, so each is computed once per node and round."""
 
     root_q: torch.Tensor
     tokens: list[int] = field(default_factory=list)
@@ -73,10 +73,10 @@ class Tree:
     def stats(self, node: int, k: int = DEFAULT_TOPK, support=None) -> tuple[torch.Tensor, ...]:
         """(the k largest probabilities of the draft's distribution after `node`, best first; their tokens; its
         entropy), read on the draft's support (`support` or the tree's; zeros off it add nothing: the values of
-        models.features.signals.DraftStep's top-k and entropy: models.distributions.support_topk /
-        support_entropy, a sixth of the work on an 8k-of-49k FR-Spec draft). Cached
-        per node for the tree's own support and at least DEFAULT_TOPK wide: a level's children (the builders' top-k)
-        and its node features (the learned builders' rows) read one top-k and one entropy per parent, not three."""
+        models.features.signals.DraftStep's top-k and entropy: models.distributions.support_topk / support_entropy,
+        a sixth of the work on an 8k-of-49k FR-Spec draft). Cached per node for the tree's own support and at least
+        DEFAULT_TOPK wide: a level's children (the builders' top-k) and its node features (the learned builders'
+        rows) read one top-k and one entropy per parent, not three."""
         own, width = support is None or support is self.support, max(k, DEFAULT_TOPK)
         have = self._stats.get(node) if own else None
         if have is None or len(have[0]) < k:
