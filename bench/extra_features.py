@@ -39,7 +39,7 @@ from data_gen.traces import _forward, _head
 from eval.continuations import load_greedy_traces
 from models.distributions import draft_probs
 from models.features.context import ContextIndex
-from models.features.spec import features_from_columns, FeatureSpec, needed_columns
+from models.features.spec import FeatureSpec, features_from_columns, needed_columns
 from models.features.trace import continuation_starts, trace_round_positions
 from models.pair import load_pair
 from utils.cli import UserError, hydra_entry

@@ -38,7 +38,7 @@ from decode.policies import ExpectedValueRule, StopPolicy, platt
 from eval.continuations import CONTINUATION_COLUMNS, continuations, load_greedy_traces
 from eval.replay import replay_one, summarize
 from models.cost import CostProfile
-from models.features.spec import features_from_columns, FeatureSpec, needed_columns
+from models.features.spec import FeatureSpec, features_from_columns, needed_columns
 from models.features.text import token_classes
 from models.features.trace import continuation_starts
 from utils.cli import UserError, hydra_entry

@@ -259,8 +259,8 @@ def tree_rows(draft, prefix: list[int], y: list[int], expander, stride: int, k: 
     as before a decode's first verification. `on_path`: the node's root path is y[t : t + depth] (greedy
     verification accepts it)."""
     from models.features.context import ContextIndex
-    from models.tree import grow
     from models.features.nodes import node_columns
+    from models.tree import grow
 
     stored = [c for c in TREE_COLUMNS if c not in ("on_path", "length")]
     if root_stats is None:

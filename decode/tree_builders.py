@@ -113,7 +113,7 @@ class GrownTree(TreeBuilder):
         raise NotImplementedError
 
     def pick(self, candidate) -> list[int]:
-        from models.tree import grow_levels, Tree
+        from models.tree import Tree, grow_levels
 
         self._replay_missing = 0
         tree, back = Tree(root_q=None), []

@@ -61,7 +61,7 @@ def test_decode_rows_equal_trace_rows(plus_traces, tiny_pair):
     from data_gen.store import load_traces
     from decode.loop import autoregressive, speculative
     from models.features.layout import GROUPS, TEXT
-    from models.features.spec import features_from_columns, FeatureSpec, needed_columns
+    from models.features.spec import FeatureSpec, features_from_columns, needed_columns
     from models.features.text import pack_classes, token_classes
     from models.features.trace import continuation_starts
     from data_gen.contract import trace_columns

@@ -10,7 +10,7 @@ import torch
 
 from models.distributions import topk_probs
 from models.features.signals import DraftStep
-from models.features.spec import features_from_columns, FeatureSpec
+from models.features.spec import FeatureSpec, features_from_columns
 from models.features.trace import trace_round_positions
 from models.heads import CKPT_KEY, HeadBundle, ResBlock, StopHead, build_head, load_head
 from utils.cli import UserError

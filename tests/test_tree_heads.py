@@ -13,7 +13,7 @@ import torch
 from omegaconf import OmegaConf, open_dict
 
 from data_gen.contract import trace_columns
-from models.features.spec import feature_kind, FeatureSpec
+from models.features.spec import FeatureSpec, feature_kind
 from utils.cli import UserError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -184,7 +184,7 @@ def test_train_and_eval_a_node_head(kind, tree_traces, close_pair, tmp_path):
     from models.features.context import ContextIndex
     from models.heads import load_head
     from models.lm import LM
-    from models.tree import grow, TopkExpander
+    from models.tree import TopkExpander, grow
     from train.job import load_traces, run
 
     cfg = train_cfg(kind, tree_traces)

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from models.features.context import ContextIndex
 from models.features.layout import COPY
 from models.features.nodes import node_copy_columns
-from models.features.spec import feature_kind, FeatureSpec
+from models.features.spec import FeatureSpec, feature_kind
 from models.tree import Tree
 from utils.cli import UserError
 

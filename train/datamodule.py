@@ -26,7 +26,7 @@ from data_gen.contract import HEAD_SPLITS as SPLITS
 from data_gen.contract import trace_columns
 from data_gen.labels import is_soft, make_labels, make_mask, make_weights, required_columns, weight_columns
 from eval.metrics import baseline_columns
-from models.features.spec import features_from_columns, FeatureSpec, needed_columns
+from models.features.spec import FeatureSpec, features_from_columns, needed_columns
 from utils.cli import UserError
 
 log = logging.getLogger(__name__)

@@ -159,7 +159,7 @@ def text_classes(cfg: DictConfig, manifest: dict) -> str:
 
 def feature_spec(cfg: DictConfig, manifest: dict):
     """The head's feature spec: the feature kind its family reads (models.heads), sized from the traces' manifest."""
-    from models.features.spec import feature_kind, FeatureSpec
+    from models.features.spec import FeatureSpec, feature_kind
     from models.heads import head_family, head_kinds
 
     kind = str(cfg.model.kind)
