@@ -36,10 +36,11 @@ from tqdm import tqdm
 
 from bench import REPO, command, repo_path
 from data_gen.traces import _forward, _head
-from eval.replay import load_greedy_traces
+from eval.continuations import load_greedy_traces
 from models.distributions import draft_probs
-from models.features import (ContextIndex, FeatureSpec, continuation_starts, features_from_columns, needed_columns,
-                             trace_round_positions)
+from models.features.context import ContextIndex
+from models.features.spec import FeatureSpec, features_from_columns, needed_columns
+from models.features.trace import continuation_starts, trace_round_positions
 from models.pair import load_pair
 from utils.cli import UserError, hydra_entry
 from utils.files import write_result

@@ -32,8 +32,8 @@ N_IDS = 250
 
 
 def load(folder: Path, spec):
-    from eval.replay import load_greedy_traces
-    from models.features import features_from_columns, needed_columns
+    from eval.continuations import load_greedy_traces
+    from models.features.spec import features_from_columns, needed_columns
 
     cols, manifest = load_greedy_traces(folder, list(needed_columns(spec)))
     lack = [c for c in needed_columns(spec) if c not in cols]
@@ -98,7 +98,7 @@ def head_auroc(spec, x_tr, y_tr, prompts, x_te, y_te, seed: int = 0) -> float:
 
 
 def run(cfg: DictConfig) -> None:
-    from models.features import FeatureSpec
+    from models.features.spec import FeatureSpec
 
     train, test = repo_path(cfg.train), repo_path(cfg.test)
     torch.set_num_threads(1)

@@ -28,7 +28,7 @@ from sklearn.ensemble import HistGradientBoostingClassifier
 from sklearn.metrics import roc_auc_score
 
 from bench import command, repo_path
-from models.features import continuation_starts, trace_round_positions
+from models.features.trace import continuation_starts, trace_round_positions
 from utils.cli import UserError, hydra_entry
 from utils.files import write_result
 
@@ -38,7 +38,7 @@ COLUMNS = ["prompt_id", "kind", "position", "draft_token", "target_token", "draf
 
 
 def load(folder: Path) -> tuple[dict, dict]:
-    from eval.replay import load_greedy_traces
+    from eval.continuations import load_greedy_traces
 
     return load_greedy_traces(folder, COLUMNS)
 

@@ -35,9 +35,12 @@ from sklearn.metrics import roc_auc_score
 
 from bench import REPO, command, repo_path
 from decode.policies import ExpectedValueRule, StopPolicy, platt
-from eval.replay import CONTINUATION_COLUMNS, continuations, load_greedy_traces, replay_one, summarize
+from eval.continuations import CONTINUATION_COLUMNS, continuations, load_greedy_traces
+from eval.replay import replay_one, summarize
 from models.cost import CostProfile
-from models.features import FeatureSpec, continuation_starts, features_from_columns, needed_columns, token_classes
+from models.features.spec import FeatureSpec, features_from_columns, needed_columns
+from models.features.text import token_classes
+from models.features.trace import continuation_starts
 from utils.cli import UserError, hydra_entry
 from utils.files import write_result
 

@@ -51,9 +51,10 @@ from tqdm import tqdm
 from bench import command, repo_path
 from bench.extra_features import hidden_states
 from data_gen.traces import _head
-from eval.replay import load_greedy_traces
+from eval.continuations import load_greedy_traces
 from models.distributions import draft_probs, entropy
-from models.features import ContextIndex, continuation_starts
+from models.features.context import ContextIndex
+from models.features.trace import continuation_starts
 from models.pair import load_pair
 from utils.cli import UserError, hydra_entry
 from utils.files import write_result
@@ -117,7 +118,7 @@ def path_map(folder: Path, prompts: int) -> list[dict]:
     """Conditional and path AUROC of the synthetic heads (module docstring) on the first `prompts` prompts' trees."""
     from data_gen.contract import trace_columns
     from data_gen.store import load_traces
-    from models.features import compose_path, parent_on_path_rows, parent_rows
+    from models.features.nodes import compose_path, parent_on_path_rows, parent_rows
 
     ds, _ = load_traces(folder)
     cols = trace_columns(ds, ["prompt_id", "position", "node", "parent", "q_token", "on_path"])
@@ -142,7 +143,8 @@ def tree_probe_rows(folder: Path, spec) -> dict:
     conditional rows and each row's parent row."""
     from data_gen.contract import trace_columns
     from data_gen.store import load_traces
-    from models.features import feature_kind, parent_on_path_rows, parent_rows
+    from models.features.nodes import parent_on_path_rows, parent_rows
+    from models.features.spec import feature_kind
 
     kind = feature_kind(spec.kind)
     ds, _ = load_traces(folder)
@@ -161,7 +163,7 @@ def tree_probe_rows(folder: Path, spec) -> dict:
 def lookahead(train_folder: Path, test_folder: Path, spec) -> dict:
     """Conditional and path AUROC of the probe on a node head's inputs (feature spec `spec`), without and with the
     lookahead (module docstring); the joint's path AUROC and q's conditional one beside."""
-    from models.features import compose_path
+    from models.features.nodes import compose_path
 
     train, test = tree_probe_rows(train_folder, spec), tree_probe_rows(test_folder, spec)
     out = {"train_nodes": int(len(train["y"])), "test_nodes": int(len(test["y"])),

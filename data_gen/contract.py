@@ -103,7 +103,7 @@ def check_compatible(bundle, manifest: dict, folder: Path, names: list[str]) -> 
             f"traces {folder} come from pair {pid} (tokenizer {tok}); pass traces= made with pair={bundle.pair_id}"
         )
     spec = bundle.spec
-    from models.features import needed_columns
+    from models.features.spec import needed_columns
 
     # what the kind reads comes from its declared columns; top-k and hidden states get their own messages below
     lack = [c for c in needed_columns(spec) if c not in names and c not in ("draft_topk", "draft_hidden")]

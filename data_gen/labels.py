@@ -187,7 +187,7 @@ def make_mask(columns: dict, cfg) -> np.ndarray | None:
     s = scheme(cfg)
     if not s.conditional:
         return None
-    from models.features import parent_on_path_rows, parent_rows
+    from models.features.nodes import parent_on_path_rows, parent_rows
 
     make_labels(columns, s)  # missing columns → its one-line error
     try:
@@ -218,7 +218,7 @@ def weight_columns(cfg) -> tuple[str, ...]:
 
 def make_weights(columns: dict, cfg) -> np.ndarray:
     """Per-row loss weights R + (1 − R)·reach_weight (module docstring); all ones when reach_weight = 1."""
-    from models.features import trace_round_positions
+    from models.features.trace import trace_round_positions
 
     w = reach_weight(cfg)
     n = len(columns["position"]) if "position" in columns else len(next(iter(columns.values())))

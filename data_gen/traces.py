@@ -262,8 +262,9 @@ def tree_rows(draft, prefix: list[int], y: list[int], expander, stride: int, k: 
     the target distribution y[t − 1] came from — `root_stats` (entropy, margin) per position of y, (0, 0) at t = 0
     as before a decode's first verification. `on_path`: the node's root path is y[t : t + depth] (greedy
     verification accepts it)."""
-    from models.features import ContextIndex
-    from models.tree import grow, node_columns
+    from models.features.context import ContextIndex
+    from models.features.nodes import node_columns
+    from models.tree import grow
 
     stored = [c for c in TREE_COLUMNS if c not in ("on_path", "length")]
     if root_stats is None:

@@ -54,7 +54,7 @@ from transformers.generation.candidate_generator import AssistedCandidateGenerat
 from decode.loop import _verify_stats
 from decode.policies import Learned, build_policy, parse_spec, policy_class, policy_config
 from models.distributions import draft_probs
-from models.features import DraftStep
+from models.features.signals import DraftStep
 from models.heads import HeadBundle, load_head
 from utils.cli import UserError
 

@@ -24,8 +24,9 @@ import torch
 from decode.tree import commit, grow, root_stats
 from decode.tree import verify as tree_verify
 from decode.verify import greedy_verify, sample_verify, sprinter_verify
-from models.distributions import draft_probs, entropy, greedy_ids, logit_stats, top2_margin, tvd
-from models.features import ContextIndex, DraftStep, VerifyStats
+from models.distributions import draft_probs, greedy_ids, tvd, verification_stats
+from models.features.context import ContextIndex
+from models.features.signals import DraftStep, VerifyStats, compared
 from models.lm import LM, Clock
 
 
@@ -89,17 +90,12 @@ def autoregressive(pair, prompt_ids: list[int], max_new_tokens: int, temperature
 
 
 def _verify_stats(p: torch.Tensor | None, logits: torch.Tensor, qs: list, support, k: int, n: int) -> VerifyStats:
-    """models.features.VerifyStats of one verification from p (as traces define it) at positions 0..n: its entropy
-    and margin at the last verified position n, and the mean TVD(p, q) over the drafted positions up to the first
-    rejection (0..min(n, k − 1)). Greedy verification builds no p: then the same numbers come from the logits and
-    q on the draft's support (`qs`, models.distributions.logit_stats), a fraction of the work."""
-    m = min(n + 1, k)
-    if p is None:
-        ent, margin, tv = logit_stats(logits[: n + 1], support, torch.stack(qs[:m]) if m else None)
-    else:
-        ent, margin = entropy(p[n]), top2_margin(p[n])
-        tv = tvd(p[:m], torch.stack(qs[:m])) if m else p[:0, 0]
-    return VerifyStats(float(ent), float(margin), k, n, float(tv.mean()) if m else 0.0)
+    """models.features.signals.VerifyStats of one verification that drafted k and kept n, from p (sampling) or the
+    target's logits (greedy) at positions 0..n: models.distributions.verification_stats over the `compared`
+    positions."""
+    m = int(compared(k, n))
+    ent, margin, tv = verification_stats(logits[: n + 1], None if p is None else p[: n + 1], qs, m, support)
+    return VerifyStats.of(ent, margin, tv, k, n)
 
 
 @dataclass(frozen=True)
@@ -232,6 +228,24 @@ def _tree_round(draft: LM, target: LM, dcache, tcache, d_pending, t_pending, bui
     return [tree.tokens[i] for i in path], nxt, d_pending, len(nodes), tstats
 
 
+def _chain_round(draft, target, dcache, tcache, d_pending, t_pending, policy, s, budget, position, ctx, vstats, eos,
+                 res):
+    """One chain round: draft, verify, the verification's statistics (for policies that ask), roll both caches back.
+    Returns (kept drafted tokens, the target's next token, the draft's pending tokens, drafted count, VerifyStats)."""
+    now = time.perf_counter
+    rnd = _draft_round(draft, dcache, d_pending, policy, s, budget, position, ctx, vstats, eos, res)
+    k = len(rnd.tokens)
+    ts = now()
+    n, nxt, p, logits = _verify_round(target, tcache, t_pending, rnd, s, res)
+    te = now()
+    res.target_s += te - ts
+    if s.want_vs:  # the policy's work, timed as policy time
+        vstats = _verify_stats(p, logits, rnd.qs if p is not None else rnd.qs_support, draft.support, k, n)
+        res.policy_s += now() - te
+    d_pending = _rollback(dcache, tcache, d_pending, rnd.tokens, n, nxt)
+    return rnd.tokens[:n], nxt, d_pending, k, vstats
+
+
 @torch.inference_mode()
 def speculative(pair, prompt_ids: list[int], policy, max_new_tokens: int, temperature: float = 0.0,
                 top_p: float = 1.0, eos: set[int] | None = None, generator: torch.Generator | None = None,
@@ -252,7 +266,7 @@ def speculative(pair, prompt_ids: list[int], policy, max_new_tokens: int, temper
     tree = bool(getattr(policy, "tree", False))
     ctx = list(prompt_ids) if s.want_ctx and not tree else None  # a chain head's context (a tree's: cindex)
     vstats = None
-    # token trees whose node head reads them: the root context as n-gram index (models.features.node_copy_columns
+    # token trees whose node head reads them: the root context as n-gram index (models.features.nodes.node_copy_columns
     # pushes each node's path onto it and takes it back) and the last verification's (H_p, margin), (0, 0) at first
     cindex = ContextIndex(prompt_ids) if tree and s.want_ctx else None
     tstats = (0.0, 0.0) if tree and s.want_vs else None
@@ -268,17 +282,8 @@ def speculative(pair, prompt_ids: list[int], policy, max_new_tokens: int, temper
             kept, nxt, d_pending, k, tstats = _tree_round(draft, target, dcache, tcache, d_pending, t_pending, policy,
                                                           s, budget, res, cindex, tstats)
         else:
-            rnd = _draft_round(draft, dcache, d_pending, policy, s, budget, len(out), ctx, vstats, eos, res)
-            k = len(rnd.tokens)
-            ts = now()
-            n, nxt, p, logits = _verify_round(target, tcache, t_pending, rnd, s, res)
-            te = now()
-            res.target_s += te - ts
-            if s.want_vs:  # the policy's work, timed as policy time
-                vstats = _verify_stats(p, logits, rnd.qs if p is not None else rnd.qs_support, draft.support, k, n)
-                res.policy_s += now() - te
-            d_pending = _rollback(dcache, tcache, d_pending, rnd.tokens, n, nxt)
-            kept = rnd.tokens[:n]
+            kept, nxt, d_pending, k, vstats = _chain_round(draft, target, dcache, tcache, d_pending, t_pending, policy,
+                                                           s, budget, len(out), ctx, vstats, eos, res)
         t_pending = [nxt]
         n = len(kept)
 

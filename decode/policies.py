@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from models.features import DraftStep
+from models.features.signals import DraftStep
 from utils.cli import UserError
 
 

@@ -28,7 +28,7 @@ import time
 import torch
 
 from decode.verify import residual
-from models.distributions import draft_probs, entropy, greedy_ids, logit_stats, top2_margin
+from models.distributions import draft_probs, greedy_ids, verification_stats
 from models.lm import tree_attention
 from models.tree import Tree
 from models.tree import grow as grow_tree
@@ -110,11 +110,8 @@ def root_stats(z: torch.Tensor, s) -> tuple[float, float]:
     """(H_p, top-1 − top-2 of p) of the target distribution at logits z (V,), as the chain's VerifyStats computes
     them (decode.loop._verify_stats: softmax of the logits under greedy verification, p at the sampling temperature
     and top-p otherwise): the `verify` node group (models.tree.Tree.verify) of the next round's tree."""
-    if s.greedy:
-        ent, margin, _ = logit_stats(z.unsqueeze(0))
-    else:
-        p = draft_probs(z, s.temperature, s.top_p)
-        ent, margin = entropy(p), top2_margin(p)
+    p = None if s.greedy else draft_probs(z, s.temperature, s.top_p).unsqueeze(0)
+    ent, margin, _ = verification_stats(z.unsqueeze(0), p, [], 0)
     return float(ent), float(margin)
 
 

@@ -14,7 +14,7 @@ its drafted path, `FeatureKind.positions`), and the chain-only static-length F1 
 
 A node head is also read two ways whatever its label scheme (`node_views`, train's test report too): `path` — label
 on_path over every node, the head's P(on path) (a conditional head's P composed by product along the root path,
-models.features.compose_path) against the joint probability and q_token; `cond` — the nodes whose parent is on the
+models.features.nodes.compose_path) against the joint probability and q_token; `cond` — the nodes whose parent is on the
 path (the root's children always), label on_path, the head's own P against the same baselines. The main numbers are
 on the rows the head's scheme labels (all nodes for on_path; the `cond` rows for on_path_given_parent, whose row mask
 `data_gen.labels.make_mask` applies to every metric, the calibration and the thresholds).
@@ -126,13 +126,13 @@ def sprinter_report(cols: dict, scores: np.ndarray, threshold: float, starts: np
 def node_views(scores, on_path, parent_row, base: dict, names, conditional: bool) -> dict:
     """A node head's AUROC in the two views (module docstring), each beside the training-free scores on its rows.
 
-    `scores`: the head's P on every node of the trees; `on_path`, `parent_row` (models.features.parent_rows) and
+    `scores`: the head's P on every node of the trees; `on_path`, `parent_row` (models.features.nodes.parent_rows) and
     `base` (the trace columns of the baselines `names`, eval.metrics.BASELINES) on the same rows; `conditional`: the
     head predicts P(on path | parent on path) (data_gen.labels.is_conditional), so its path view is the product along
     the path. Returns {"path" | "cond": {rows, positive_rate, auroc, auroc_<baseline>, ...}, "path_score": what the
     path view ranks by}."""
     from eval.metrics import classification_metrics
-    from models.features import compose_path, parent_on_path_rows
+    from models.features.nodes import compose_path, parent_on_path_rows
 
     s = np.asarray(scores, dtype=np.float64)
     y = np.asarray(on_path).astype(np.float32)
@@ -155,7 +155,7 @@ def scored_rows(bundle, ds, folder: Path):
     from data_gen.contract import trace_columns
     from data_gen.labels import make_labels, required_columns
     from eval.metrics import baseline_columns
-    from models.features import features_from_columns, needed_columns
+    from models.features.spec import features_from_columns, needed_columns
 
     names = list(ds.column_names)
     labels_cfg = OmegaConf.create(bundle.labels)
@@ -175,11 +175,35 @@ def scored_rows(bundle, ds, folder: Path):
     return cols, y, scores, labels_cfg
 
 
+def _at_thresholds(scores, y, threshold: float) -> dict:
+    """The head's classification numbers at its checkpoint's threshold and at the best-F1 threshold (`evaluate`)."""
+    from eval.metrics import best_f1_threshold, classification_metrics
+
+    at_ckpt = classification_metrics(scores, y, threshold)
+    best_thr, _ = best_f1_threshold(scores, y)
+    at_best = classification_metrics(scores, y, best_thr)
+    return {
+        "auroc": at_ckpt["auroc"],
+        "ap": at_ckpt["ap"],
+        "threshold": threshold,
+        "f1": at_ckpt["f1"],
+        "precision": at_ckpt["precision"],
+        "recall": at_ckpt["recall"],
+        "confusion": {k: at_ckpt[k] for k in ("tp", "fp", "tn", "fn")},
+        "best_f1_threshold": best_thr,
+        "best_f1": at_best["f1"],
+        "best_f1_precision": at_best["precision"],
+        "best_f1_recall": at_best["recall"],
+        "best_f1_confusion": {k: at_best[k] for k in ("tp", "fp", "tn", "fn")},
+    }
+
+
 def evaluate(bundle, ds, manifest: dict, folder: Path) -> dict:
     """Every item-1 number (and item 3 for SPRINTER heads) for one checkpoint on one loaded trace split."""
     from data_gen.labels import is_conditional, make_mask
-    from eval.metrics import baseline_columns, best_f1_threshold, classification_metrics, roc_pr_points, static_length_f1
-    from models.features import continuation_starts, parent_rows
+    from eval.metrics import baseline_columns, roc_pr_points, static_length_f1
+    from models.features.nodes import parent_rows
+    from models.features.trace import continuation_starts
     from models.heads import head_family
 
     check_compatible(bundle, manifest, folder, list(ds.column_names))
@@ -198,9 +222,6 @@ def evaluate(bundle, ds, manifest: dict, folder: Path) -> dict:
         y, scores = y[mask], scores[mask]
     round_pos = np.asarray(kind.positions(cols))  # chain: position in the draft round; tree node: depth − 1
     cont_pos = np.asarray(cols["position"]).astype(np.int64)
-    at_ckpt = classification_metrics(scores, y, bundle.threshold)
-    best_thr, _ = best_f1_threshold(scores, y)
-    at_best = classification_metrics(scores, y, best_thr)
     static = {"f1_static_best": None, "k_best": None} if kind.tree else static_length_f1(y, round_pos)
     calib = calibration(scores, y)
     report = {
@@ -211,18 +232,7 @@ def evaluate(bundle, ds, manifest: dict, folder: Path) -> dict:
         "traces": str(folder),
         "rows": int(len(y)),
         "positive_rate": float((y >= 0.5).mean()),
-        "auroc": at_ckpt["auroc"],
-        "ap": at_ckpt["ap"],
-        "threshold": float(bundle.threshold),
-        "f1": at_ckpt["f1"],
-        "precision": at_ckpt["precision"],
-        "recall": at_ckpt["recall"],
-        "confusion": {k: at_ckpt[k] for k in ("tp", "fp", "tn", "fn")},
-        "best_f1_threshold": best_thr,
-        "best_f1": at_best["f1"],
-        "best_f1_precision": at_best["precision"],
-        "best_f1_recall": at_best["recall"],
-        "best_f1_confusion": {k: at_best[k] for k in ("tp", "fp", "tn", "fn")},
+        **_at_thresholds(scores, y, float(bundle.threshold)),
         "ece": calib["ece"],
         "reliability": calib["reliability"],
         "per_position_auroc": {b: v["auroc"] for b, v in per_bucket_auroc(scores, y, round_pos, ROUND_BUCKETS).items()},

@@ -32,7 +32,6 @@ import dataclasses
 import json
 import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -43,13 +42,14 @@ from sklearn.metrics import roc_auc_score
 from tqdm.auto import tqdm
 
 from decode import wandb_log
-from decode.metrics import oracle_gap_closed, per_position, speedup_from_costs
+from decode.metrics import per_position, speedup_from_costs
 from models.cost import CostProfile
 from decode.policies import Learned, StopPolicy, build_policy, split_spec
 from decode.methods import Method, methods_from_cfg
 from decode.tune import choose, grid_params, tune_grid
-from utils.files import jsonl_text
-from models.features import DraftStep, VerifyStats, continuation_starts
+from eval.continuations import Continuation, load_continuations
+from eval.replay_report import compare, gap_closed, write_outputs
+from models.features.signals import DraftStep
 from utils.cli import UserError, hydra_entry, output_dir
 
 
@@ -65,90 +65,6 @@ def not_replayed(cls: type[StopPolicy]) -> str | None:
     return None
 
 
-@dataclass
-class Continuation:
-    """One greedy continuation of a trace: per-row draft features, the target's tokens, and (when the trace has them)
-    what a disco_plus head reads: the prompt and context tokens and the target's per-row statistics."""
-
-    topk: torch.Tensor  # (n, k) draft top-k probabilities
-    entropy: torch.Tensor  # (n,)
-    hidden: torch.Tensor | None  # (n, d) or None
-    draft_token: np.ndarray
-    target_token: np.ndarray
-    prompt_id: str = ""
-    prompt: list[int] | None = None  # prompt token ids
-    context_token: np.ndarray | None = None  # the continuation's tokens (the target's greedy tokens)
-    target_entropy: np.ndarray | None = None  # H_p, top-2 margin of p and TVD(p, q) per row
-    target_margin: np.ndarray | None = None
-    tvd: np.ndarray | None = None
-
-    @property
-    def accepted(self) -> np.ndarray:
-        return self.draft_token == self.target_token
-
-    def verify_stats(self, t: int, k: int, n: int) -> VerifyStats:
-        """The loop's VerifyStats (decode.loop._verify_stats) of a round that started at row t, drafted k, kept n:
-        the target produced row t + n's token, so H_p and the margin are row t + n's, TVD averaged over rows
-        t .. t + min(n + 1, k) − 1."""
-        m = min(n + 1, k)
-        mean_tvd = float(np.mean(self.tvd[t : t + m])) if m else 0.0
-        return VerifyStats(float(self.target_entropy[t + n]), float(self.target_margin[t + n]), k, n, mean_tvd)
-
-
-def check_greedy(manifest: dict, where) -> None:
-    """Refuse, in one line, traces that are not greedy target_ar (the only ones a replay can read rounds off)."""
-    kind, temp = manifest.get("trace_kind"), manifest.get("temperature")
-    if kind != "target_ar" or temp is None or float(temp) != 0.0:
-        raise UserError(f"{where} holds {kind} traces at temperature {temp}; this needs greedy target_ar traces "
-                        "(python -m data_gen trace=target_ar trace.temperature=0)")
-
-
-def load_greedy_traces(folder: Path, names: list[str]) -> tuple[dict, dict]:
-    """(columns present among `names`, manifest) of a greedy target_ar trace folder; other folders refused in one line."""
-    from data_gen.contract import trace_columns
-    from data_gen.store import load_traces
-
-    folder = Path(folder)
-    if not folder.exists():
-        raise UserError(f"no traces at {folder}; make them with python -m data_gen trace=target_ar split=... limit=...")
-    ds, manifest = load_traces(folder)
-    check_greedy(manifest, folder)
-    return trace_columns(ds, [n for n in names if n in ds.column_names]), manifest
-
-
-PLUS_TRACE_COLUMNS = ("prompt_tokens", "context_token", "target_entropy", "target_margin", "tvd")
-CONTINUATION_COLUMNS = ["prompt_id", "kind", "position", "draft_token", "target_token", "draft_topk", "draft_entropy",
-                        "draft_hidden", *PLUS_TRACE_COLUMNS]
-
-
-def load_continuations(folder: Path) -> tuple[list[Continuation], dict, dict]:
-    """A greedy target_ar trace folder as (continuations, manifest, columns)."""
-    cols, manifest = load_greedy_traces(folder, CONTINUATION_COLUMNS)
-    return continuations(cols), manifest, cols
-
-
-def continuations(cols: dict) -> list[Continuation]:
-    """Trace columns (`CONTINUATION_COLUMNS` where present) split into continuations."""
-    starts = np.flatnonzero(continuation_starts(cols))
-    ends = np.append(starts[1:], len(cols["position"]))
-    topk = torch.tensor(cols["draft_topk"], dtype=torch.float32)
-    ent = torch.tensor(cols["draft_entropy"], dtype=torch.float32)
-    hid = torch.tensor(cols["draft_hidden"]).float() if "draft_hidden" in cols else None
-    plus = all(c in cols for c in PLUS_TRACE_COLUMNS)
-
-    def part(name, a, b):
-        return cols[name][a:b] if plus else None
-
-    out = [Continuation(topk[a:b], ent[a:b], None if hid is None else hid[a:b],
-                        cols["draft_token"][a:b].astype(np.int64), cols["target_token"][a:b].astype(np.int64),
-                        prompt_id=str(cols["prompt_id"][a]) if "prompt_id" in cols else str(i),
-                        prompt=[int(x) for x in cols["prompt_tokens"][a]] if plus else None,
-                        context_token=part("context_token", a, b), target_entropy=part("target_entropy", a, b),
-                        target_margin=part("target_margin", a, b), tvd=part("tvd", a, b))
-           for i, (a, b) in enumerate(zip(starts, ends))]
-    return out
-
-
 def score_auroc(policy: StopPolicy, cols: dict) -> float | None:
     """AUROC of the per-token score a policy thresholds, on on-path rows (None for rules without one): its
     `trace_score` (max q for max-confidence, −H_q for SVIP and AdaEDL), P(accept) for a head — where it sits on the
@@ -159,7 +75,7 @@ def score_auroc(policy: StopPolicy, cols: dict) -> float | None:
     elif policy.trace_score == "neg_entropy":
         score = -np.asarray(cols["draft_entropy"])
     elif policy.learned:
-        from models.features import features_from_columns
+        from models.features.spec import features_from_columns
 
         with torch.no_grad():
             score = policy.bundle.prob(features_from_columns(cols, policy.bundle.spec)).numpy()
@@ -395,109 +311,8 @@ def _read_profile(cfg_replay) -> tuple[CostProfile, str]:
     raise UserError(f"replay.c_from={path} holds neither a cost_profile nor a measured_c; pass a decode run's run.json")
 
 
-def markdown(result: dict) -> str:
-    s = result["settings"]
-    lines = [
-        f"Cost-model replay on greedy traces (`python -m eval.replay`): tuned on `{s['tune']}` "
-        f"({s['tune_rows']} rows), replayed on `{s['eval']}` ({s['eval_rows']} rows); c = {s['c']:.3f} "
-        f"({s['c_from']}); pair {s['pair']}; {s['date']}.",
-        "",
-        "| method | chosen | score AUROC | cost-model speedup | accept | mean acc len | draft calls/tok | mean K | "
-        "past rejection |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for key, r in result["eval"].items():
-        chosen = result["chosen"].get(key) or ""
-        if isinstance(chosen, dict):
-            chosen = ", ".join(f"{k}={v}" for k, v in chosen.items())
-        auroc = r.get("score_auroc", r.get("realised_auroc"))
-        auroc = "–" if auroc is None else f"{auroc:.3f}"
-        lines.append(f"| {key} | {chosen} | {auroc} | {r['cost_model_speedup']:.3f} | {r['acceptance_rate']:.3f} | "
-                     f"{r['mean_accepted_length']:.2f} | {r['draft_calls_per_token']:.3f} | {r['mean_draft_length']:.2f} | "
-                     f"{r['past_rejection']:.3f} |")
-    lines += ["", "Past rejection: share of rounds that drafted beyond their first rejected token; there a policy that "
-                  "reads features sees on-path rows the decoder would not have seen, so those rounds' lengths are "
-                  "approximate (constant K and static K read none: exact)."]
-    comp = result.get("compare")
-    if comp:
-        lines += ["", f"Replayed vs decoded (`{result['settings']['compare']}`, same prompts):", "",
-                  "| method | mean acc len replay | decode | accept replay | decode | draft calls/tok replay | decode |",
-                  "|---|---|---|---|---|---|---|"]
-        for k, r in comp.items():
-            lines.append(f"| {k} | {r['mean_accepted_length_replay']:.3f} | {r['mean_accepted_length_decode']:.3f} | "
-                         f"{r['acceptance_rate_replay']:.3f} | {r['acceptance_rate_decode']:.3f} | "
-                         f"{r['draft_calls_per_token_replay']:.3f} | {r['draft_calls_per_token_decode']:.3f} |")
-    gap = result.get("gap")
-    if gap:
-        lines += ["", "Static K-opt → oracle gap closed (cost model): "
-                      + ", ".join(f"{k} {v:.0%}" for k, v in gap.items()) + "."]
-    if result.get("skipped"):
-        lines += ["", "Not replayed: " + "; ".join(f"{k} ({v})" for k, v in result["skipped"].items()) + "."]
-    return "\n".join(lines) + "\n"
-
-
-def compare(table: dict, run_dir: Path) -> dict:
-    """Replayed vs decoded call counts per method, from a decode run on the eval traces' prompts (its summary.json):
-    the mean accepted length follows from accepted counts (exact for stateless policies); acceptance rate and draft
-    calls per token also count tokens drafted past a rejection (approximate). Timing-free: any machine's run will do."""
-    decoded = json.loads((Path(run_dir) / "summary.json").read_text())
-    keys = ("mean_accepted_length", "acceptance_rate", "draft_calls_per_token")
-
-    def twin(key):  # a head is keyed `learned` when decoded alone, `learned:<stem>` beside another head
-        if key in decoded:
-            return decoded[key]
-        name, _, stem = key.partition(":")
-        alone = decoded.get(name) or {}
-        return alone if stem and Path(str((alone.get("params") or {}).get("ckpt"))).stem == stem else None
-
-    return {k: {**{f"{q}_replay": r[q] for q in keys}, **{f"{q}_decode": d[q] for q in keys}}
-            for k, r in table.items() if (d := twin(k)) is not None}
-
-
-def gap_closed(table: dict) -> dict:
-    """Share of the static_opt → oracle cost-model gap each other method closes (negative: below static_opt)."""
-    if "static_opt" not in table or "oracle" not in table:
-        return {}
-    lo, hi = table["static_opt"]["cost_model_speedup"], table["oracle"]["cost_model_speedup"]
-    if hi <= lo:
-        return {}
-    return {k: oracle_gap_closed(r["cost_model_speedup"], lo, hi) for k, r in table.items()
-            if k not in ("static_opt", "oracle")}
-
-
-def plot(result: dict, path: Path) -> Path | None:
-    syn = {k: v for k, v in result["eval"].items() if k.startswith("synthetic[")}
-    if not syn:
-        return None
-    from utils.plotting import pyplot
-
-    plt = pyplot()
-
-    from eval.plots import _save
-
-    fig, ax = plt.subplots(figsize=(6, 4.2))
-    xs = [v["realised_auroc"] for v in syn.values()]
-    ax.plot(xs, [v["cost_model_speedup"] for v in syn.values()], "o-", color="k", label="synthetic head")
-    scored = [(k, r) for k, r in result["eval"].items() if r.get("score_auroc") is not None]
-    for i, (k, r) in enumerate(scored):
-        ax.plot(r["score_auroc"], r["cost_model_speedup"], "s", color=f"C{i % 10}", label=k)
-    for k, style in (("oracle", ":"), ("static_opt", "--")):
-        if k in result["eval"]:
-            ax.axhline(result["eval"][k]["cost_model_speedup"], ls=style, color="grey", lw=1)
-            ax.annotate(k, (ax.get_xlim()[0], result["eval"][k]["cost_model_speedup"]), fontsize=7, color="grey",
-                        xytext=(2, 2), textcoords="offset points")
-    ax.set_xlabel("AUROC of the score the policy thresholds (eval traces)")
-    ax.set_ylabel("cost-model speedup")
-    ax.set_title("What a stop rule of a given AUROC gains")
-    ax.legend(fontsize=7, loc="lower right")
-    return _save(fig, path)
-
-
-def run(cfg: DictConfig) -> dict:
-    rc = cfg.replay
-    if not rc.get("tune") or not rc.get("eval"):
-        raise UserError("pass the trace folders: replay.tune=VAL_TRACES replay.eval=TEST_TRACES (greedy target_ar, "
-                        "python -m data_gen trace=target_ar split=validation|test limit=N)")
+def _inputs(rc):
+    """(cost profile, where it came from, synthetic AUROCs, tune and eval continuations), checked in one line each."""
     profile, c_from = cost_profile(rc)
     if rc.get("compare") and not (Path(str(rc.compare)) / "summary.json").is_file():
         raise UserError(f"replay.compare={rc.compare} has no summary.json; pass a python -m decode out_dir run on the "
@@ -510,6 +325,15 @@ def run(cfg: DictConfig) -> dict:
     if man_tune.get("pair_id") != man_eval.get("pair_id"):
         raise UserError(f"replay.tune traces come from pair {man_tune.get('pair_id')}, replay.eval from "
                         f"{man_eval.get('pair_id')}; use one pair's traces for both")
+    return profile, c_from, aurocs, (conts_tune, man_tune, cols_tune), (conts_eval, man_eval, cols_eval)
+
+
+def run(cfg: DictConfig) -> dict:
+    rc = cfg.replay
+    if not rc.get("tune") or not rc.get("eval"):
+        raise UserError("pass the trace folders: replay.tune=VAL_TRACES replay.eval=TEST_TRACES (greedy target_ar, "
+                        "python -m data_gen trace=target_ar split=validation|test limit=N)")
+    profile, c_from, aurocs, (conts_tune, man_tune, cols_tune), (conts_eval, man_eval, cols_eval) = _inputs(rc)
     methods, skipped = [], {}
     for m in methods_from_cfg(cfg):
         why = not_replayed(m.policy_class)
@@ -542,24 +366,7 @@ def run(cfg: DictConfig) -> dict:
     if rc.get("compare"):
         result["settings"]["compare"] = str(rc.compare)
         result["compare"] = compare(table, Path(str(rc.compare)))
-    out = output_dir(rc.get("out_dir"))
-    out.mkdir(parents=True, exist_ok=True)
-    per_prompt = {k: r.pop("per_prompt") for k, r in table.items() if "per_prompt" in r}
-    (out / "replay.json").write_text(json.dumps(result, indent=1) + "\n")
-    # one row per (method, eval continuation): what eval.bar's paired bootstrap resamples
-    (out / "prompts.jsonl").write_text(jsonl_text(
-        {"method": key, "prompt_id": pid, "new_tokens": pp["new_tokens"][i], "cost_ms": pp["cost_ms"][i],
-         "target_cost_ms": pp["target_cost_ms"][i]}
-        for key, pp in per_prompt.items() for i, pid in enumerate(pp["prompt_id"])))
-    (out / "replay.md").write_text(markdown(result))
-    # decode's tuned.json format: `python -m decode ... tuned=OUT/tuned.json` decodes with the replay's choices
-    tuned_file = {"metric": "cost_model_speedup (eval.replay)", "split": str(rc.tune),
-                  "chosen": {m.key: dict(m.params) for m in chosen}}
-    (out / "tuned.json").write_text(json.dumps(tuned_file, indent=1) + "\n")
-    plot(result, out / "replay_auroc.png")
-    wandb_log.log_replay(result, out)  # no-op unless logger=wandb
-    print(markdown(result))
-    print(f"wrote {out / 'replay.json'}, replay.md, prompts.jsonl, tuned.json{', replay_auroc.png' if aurocs else ''}")
+    write_outputs(result, table, chosen, rc, bool(aurocs))
     return result
 
 

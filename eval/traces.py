@@ -50,7 +50,7 @@ def _names(ds) -> list[str]:
 
 def _starts(ds) -> np.ndarray:
     """First row of each continuation (a new prompt_id or kind, or the position not increasing)."""
-    from models.features import continuation_starts
+    from models.features.trace import continuation_starts
 
     return continuation_starts({k: _col(ds, k) for k in ("position", "prompt_id", "kind") if k in _names(ds)})
 

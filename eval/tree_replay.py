@@ -165,7 +165,7 @@ def builders(cfg: DictConfig, tree: dict, profile) -> tuple[dict, dict]:
 
 def head_scores(builder, ds, manifest: dict, folder) -> np.ndarray | None:
     """A learned builder's head P(on path) for every trace row (None for the others): the head reads the rows'
-    stored node columns, the ones decode computes from its tree (models.tree.node_columns)."""
+    stored node columns, the ones decode computes from its tree (models.features.nodes.node_columns)."""
     bundle = getattr(builder, "bundle", None)
     if bundle is None:
         return None

@@ -43,6 +43,45 @@ def entropy(probs: torch.Tensor) -> torch.Tensor:
     return -(probs * torch.log(probs.clamp_min(1e-30))).sum(-1)
 
 
+def on_support(q: torch.Tensor, support: torch.Tensor | None) -> torch.Tensor:
+    """q read on the draft's support (a reduced vocabulary, models.lm.LM.support; all of q without one): q is exactly
+    0 off it, so its top-k and entropy are the same there for a fraction of the work (a sixth on 8k-of-49k)."""
+    return q if support is None else q.index_select(-1, support)
+
+
+def support_entropy(q: torch.Tensor, support: torch.Tensor | None = None, mass: torch.Tensor | None = None):
+    """H_q on the draft's support: the one definition DraftStep and models.tree.Tree.stats read (`mass`: q already
+    read on the support, `on_support`)."""
+    return entropy(on_support(q, support) if mass is None else mass)
+
+
+def support_topk(q: torch.Tensor, k: int, support: torch.Tensor | None = None, mass: torch.Tensor | None = None,
+                 ids: bool = False):
+    """The k largest probabilities of q, best first, read on its support (`mass` as in `support_entropy`); with
+    `ids`, (values, their token ids). A support narrower than k: the zeros off it fill the tail, so the full q is
+    read. The one definition DraftStep's top-k and models.tree.Tree.stats (a builder's children) read; `ids=False`
+    takes the two-stage `topk_probs`, the same values."""
+    mass = on_support(q, support) if mass is None else mass
+    if mass.shape[-1] < k:
+        mass, support = q, None
+    if not ids:
+        return topk_probs(mass, k)
+    v, i = mass.topk(min(k, mass.shape[-1]))
+    return v, (i if support is None else support[i])
+
+
+def verification_stats(logits: torch.Tensor | None, p: torch.Tensor | None, qs: list, m: int,
+                       support: torch.Tensor | None = None):
+    """(H_p and top-1 − top-2 of p at the last verified row, TVD(p, q) at the first m drafted rows): what one
+    verification tells a stop head, the one definition of decode's chain rounds and tree roots. From p (r, V) when
+    the verifier built it (sampling); else from the target's logits (r, V) and q on the draft's support
+    (`logit_stats`, the same numbers for a fraction of the work)."""
+    if p is None:
+        return logit_stats(logits, support, torch.stack(qs[:m]) if m else None)
+    tv = tvd(p[:m], torch.stack(qs[:m])) if m else p[:0, 0]
+    return entropy(p[-1]), top2_margin(p[-1]), tv
+
+
 def top2_margin(probs: torch.Tensor) -> torch.Tensor:
     """Largest minus second-largest probability along the last axis (how decided a distribution is); the two-stage
     top-k (`topk_probs`, the same values) because a plain top-2 over 49k entries cost ~125 µs per verification."""

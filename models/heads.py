@@ -8,16 +8,16 @@ families (`features`: the feature kind it reads; `raw_input`, `inert_constant_co
 - `sprinter`: SPRINTER's single linear layer (+ sigmoid) on the draft's last hidden state.
 - `specdecpp`: SpecDec++'s prediction head, residual blocks x + SiLU(W_i x + b_i) (independent weights per block)
   then a linear readout, on the draft hidden state.
-- `c2t` / `tree_node` / `tree_node_plus`: the DISCO network on a token-tree node's row (models.features' node
+- `c2t` / `tree_node` / `tree_node_plus`: the DISCO network on a token-tree node's row (models.features.nodes' node
   kinds), predicting whether the node is on the path greedy verification accepts (labels=on_path); decode's tree
   builders score nodes.
-- `disco_plus`: logit = a·logit(max q) + FFN(features) on the disco_plus features (models.features), token ids
+- `disco_plus`: logit = a·logit(max q) + FFN(features) on the disco_plus features (models.features.chain), token ids
   through hashed embeddings. The FFN's output layer starts at zero and a at 1, so a fresh head *is* the max-q
   score and training moves away from it only where the extra features pay.
 
 Calibration: `HeadBundle.calibration` = {temperature T, bias b} maps a logit z to sigmoid(z / T + b); train fits it on
-validation (`fit_calibration`, temperature scaling, plus a bias under `calibration=platt` — pos_weight and the
-train/test acceptance shift move the base rate, which a temperature alone cannot fix) and decode/eval apply it.
+validation (models.calibration.fit_calibration: temperature scaling, plus a bias under `calibration=platt` — pos_weight
+and the train/test acceptance shift move the base rate, which a temperature alone cannot fix) and decode/eval apply it.
 
 `train` saves a Lightning checkpoint whose `specstop` entry holds everything decode needs (feature spec, label
 scheme, threshold, pair id, tokenizer hash, architecture); `load_head(path)` rebuilds a `HeadBundle` from it.
@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from models.features import FeatureSpec
+from models.features.spec import FeatureSpec
 from utils.cli import UserError
 
 CKPT_KEY = "specstop"
@@ -41,7 +41,7 @@ CKPT_KEY = "specstop"
 class HeadNet(nn.Module):
     """A head family's network: (normalised) features → logit. Class attributes say how StopHead and decode treat it."""
 
-    features = ""  # the feature kind it reads (models.features.FeatureKind.name)
+    features = ""  # the feature kind it reads (models.features.kind.FeatureKind.name)
     raw_input = False  # forward(xn, x): also gets the raw features (not only the normalised ones)
     inert_constant_columns = False  # a column constant in training enters as 0 (std = inf) rather than std = 1
     cumulative = False  # its policy stops when 1 − Π P(accept) over the round exceeds the threshold (SpecDec++)
@@ -104,14 +104,14 @@ class C2TFFN(DiscoFFN):
 
 
 class TreeNodeFFN(DiscoFFN):
-    """The richer node head: the same 2-layer FFN on `tree_node` rows (models.features.TreeNodeFeatures)."""
+    """The richer node head: the same 2-layer FFN on `tree_node` rows (models.features.nodes.TreeNodeFeatures)."""
 
     features = "tree_node"
 
 
 class TreeNodePlusFFN(DiscoFFN):
     """The same 2-layer FFN on `tree_node_plus` rows (tree_node's + the verify and copy node groups,
-    models.features.TreeNodePlusFeatures)."""
+    models.features.nodes.TreeNodePlusFeatures)."""
 
     features = "tree_node_plus"
 
@@ -302,35 +302,6 @@ def head_arch(kind: str, spec: FeatureSpec, arch: dict | None) -> dict:
     """The architecture kwargs for a spec (`HeadNet.arch_for`: disco_plus adds its spec's token-id columns)."""
     arch = dict(arch or {})
     return head_family(kind, arch).arch_for(spec, arch)
-
-
-def fit_calibration(logits: torch.Tensor, labels: torch.Tensor, mode: str = "platt", weights=None) -> dict:
-    """{temperature, bias} minimising the (weighted) BCE of sigmoid(z / T + b) on held-out rows (soft labels allowed).
-
-    `temperature`: b = 0 (Guo et al.'s temperature scaling); `platt`: T and b; `none`: identity.
-    """
-    if mode == "none":
-        return {"temperature": 1.0, "bias": 0.0, "mode": mode}
-    if mode not in ("temperature", "platt"):
-        raise UserError(f"calibration must be none, temperature or platt, got '{mode}'")
-    z, y = logits.detach().double().flatten(), labels.detach().double().flatten()
-    w = torch.ones_like(z) if weights is None else torch.as_tensor(weights).double().flatten()
-    log_t = torch.zeros((), dtype=torch.double, requires_grad=True)
-    b = torch.zeros((), dtype=torch.double, requires_grad=mode == "platt")
-    params = [log_t] + ([b] if mode == "platt" else [])
-    opt = torch.optim.LBFGS(params, lr=0.5, max_iter=200, line_search_fn="strong_wolfe")
-
-    def closure():
-        opt.zero_grad()
-        loss = (torch.nn.functional.binary_cross_entropy_with_logits(z / log_t.exp() + b, y, reduction="none") * w).sum() / w.sum()
-        loss.backward()
-        return loss
-
-    opt.step(closure)
-    t = float(log_t.detach().exp())
-    if not (0 < t < float("inf")) or t != t:
-        return {"temperature": 1.0, "bias": 0.0, "mode": "none"}
-    return {"temperature": t, "bias": float(b.detach()), "mode": mode}
 
 
 @dataclass

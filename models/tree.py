@@ -15,28 +15,28 @@ from dataclasses import dataclass, field
 
 import torch
 
-from models.distributions import draft_probs, entropy
-from models.features import COPY, DEFAULT_TOPK, NODE_VERIFY
+from models.distributions import draft_probs, support_entropy, support_topk
+from models.features.layout import DEFAULT_TOPK
 from models.lm import tree_attention
 
 
 @dataclass
 class Tree:
     """The round's candidate tree. Node i: `tokens[i]`, `parents[i]` (−1: a child of the root, the last committed
-    token), `depth[i]` (1 for the root's children), `joint[i]` (product of the draft's probabilities along its path),
-    `rank[i]` (1-based rank of its token in its parent's distribution). `q[i]`: the draft's distribution after the
-    node, once the draft has run on it (then `dpos[i]` is its position in the draft cache). `score[i]`: a trained
-    node head's P(node on the accepted path), for the nodes scored so far (decode.tree_builders' learned builders;
-    the replay fills it from the trace). `context`: a models.features.ContextIndex of the root's context (prompt +
-    committed continuation) and `verify`: (H_p, top-2 margin of p) of the target distribution the last committed
-    token came from ((0, 0) before the first verification) — given where a node head reads them (`node_columns`'
-    groups copy / verify: tree traces always, decode for heads that ask). The index is the caller's and moves on
-    after the round (decode and traces push the committed tokens onto it): read it while the tree is the round's.
-    `support`: the draft's reduced vocabulary (models.lm.LM.support; None for a full head), outside which every q
-    is 0, so node features read q there (`node_columns`). `policy_s`: seconds `grow` spent in the expander (a
-    builder's own work — a node head's features and scores — which decode books as policy time, not draft time).
-    `stats(node, k)` / `q_token(node)` cache what the builders' children and the node features read of a
-    distribution, so each is computed once per node and round."""
+    token), `depth[i]` (1 for the root's children), `joint[i]` (product of the draft's probabilities along its
+    path), `rank[i]` (1-based rank of its token in its parent's distribution). `q[i]`: the draft's distribution
+    after the node, once the draft has run on it (then `dpos[i]` is its position in the draft cache). `score[i]`: a
+    trained node head's P(node on the accepted path), for the nodes scored so far (decode.learned_trees' builders;
+    the replay fills it from the trace). `context`: a models.features.context.ContextIndex of the root's context
+    (prompt + committed continuation) and `verify`: (H_p, top-2 margin of p) of the target distribution the last
+    committed token came from ((0, 0) before the first verification) — given where a node head reads them
+    (models.features.nodes.node_columns' groups copy / verify: tree traces always, decode for heads that ask). The
+    index is the caller's and moves on after the round (decode and traces push the committed tokens onto it): read
+    it while the tree is the round's. `support`: the draft's reduced vocabulary (models.lm.LM.support; None for a
+    full head), outside which every q is 0, so node features read q there (models.features.nodes.node_columns).
+    `policy_s`: seconds `grow` spent in the expander (a builder's own work — a node head's features and scores —
+    which decode books as policy time, not draft time). `stats(node, k)` / `q_token(node)` cache what the builders'
+    children and the node features read of a distribution, so each is computed once per node and round."""
 
     root_q: torch.Tensor
     tokens: list[int] = field(default_factory=list)
@@ -73,19 +73,15 @@ class Tree:
     def stats(self, node: int, k: int = DEFAULT_TOPK, support=None) -> tuple[torch.Tensor, ...]:
         """(the k largest probabilities of the draft's distribution after `node`, best first; their tokens; its
         entropy), read on the draft's support (`support` or the tree's; zeros off it add nothing: the values of
-        models.features.DraftStep's top-k and entropy, a sixth of the work on an 8k-of-49k FR-Spec draft). Cached
-        per node for the tree's own support and at least DEFAULT_TOPK wide: a level's children (the builders' top-k)
-        and its node features (the learned builders' rows) read one top-k and one entropy per parent, not three."""
+        models.features.signals.DraftStep's top-k and entropy: models.distributions.support_topk / support_entropy,
+        a sixth of the work on an 8k-of-49k FR-Spec draft). Cached per node for the tree's own support and at least
+        DEFAULT_TOPK wide: a level's children (the builders' top-k) and its node features (the learned builders'
+        rows) read one top-k and one entropy per parent, not three."""
         own, width = support is None or support is self.support, max(k, DEFAULT_TOPK)
         have = self._stats.get(node) if own else None
         if have is None or len(have[0]) < k:
             q, support = self.dist(node), self.support if own else support
-            mass = q if support is None else q.index_select(-1, support)
-            ent = entropy(mass)  # on the support, as DraftStep reads it
-            if mass.shape[-1] < width:  # a support narrower than k: the zeros off it fill the tail
-                mass, support = q, None
-            v, i = mass.topk(min(width, mass.shape[-1]))
-            have = (v, i if support is None else support[i], ent)
+            have = (*support_topk(q, width, support, ids=True), support_entropy(q, support))
             if own:
                 self._stats[node] = have
         return have[0][:k], have[1][:k], have[2]
@@ -121,6 +117,25 @@ def run_nodes(draft, dcache, tree: Tree, nodes: list[int], prefix_len: int, temp
         tree.dpos[node] = start + j
 
 
+def grow_levels(tree: Tree, depth: int, add, expand, run=None) -> None:
+    """The round's growth, level by level up to `depth`: `add(tree, parent, level)` adds a parent's children (returns
+    the new nodes), `expand(tree, new, level)` names the nodes the draft runs on next, `run(frontier)` runs it (and
+    `tree.levels` records each call). The one loop decode (`grow`) and the replay of a grown builder
+    (decode.tree_builders.GrownTree.pick, adding a recorded tree's nodes, `run` None) share. The time in `add` and
+    `expand` is the expander's own (`Tree.policy_s`)."""
+    frontier, clock = [-1], time.perf_counter
+    for level in range(1, depth + 1):
+        ts = clock()
+        new = [node for parent in frontier for node in add(tree, parent, level)]
+        frontier = expand(tree, new, level) if new and level < depth else []
+        tree.policy_s += clock() - ts
+        if not frontier:
+            break
+        if run is not None:
+            run(frontier)
+        tree.levels.append(len(frontier))
+
+
 def grow(draft, dcache, d_pending: list[int], expander, temperature: float = 0.0, top_p: float = 1.0,
          max_depth: int | None = None, context=None, verify: tuple | None = None) -> tuple[Tree, int, int]:
     """The draft runs on its pending tokens (the root's distribution), then the expander's levels, at most
@@ -128,85 +143,18 @@ def grow(draft, dcache, d_pending: list[int], expander, temperature: float = 0.0
     the prefix length (committed tokens, all now in the draft cache) and the number of draft calls. `context` /
     `verify` are attached to the tree (`Tree`) before the expander sees it."""
     logits, _ = draft(d_pending, dcache, last=1)
-    prefix_len, calls = dcache.get_seq_length(), 1
+    prefix_len = dcache.get_seq_length()
     tree = Tree(root_q=draft_probs(logits[0], temperature, top_p), context=context, verify=verify,
                 support=getattr(draft, "support", None))
-    frontier = [-1]
     depth = expander.max_depth if max_depth is None else min(expander.max_depth, int(max_depth))
-    clock = time.perf_counter
-    for level in range(1, depth + 1):
-        ts = clock()
-        new = [tree.add(parent, tok, prob, rank) for parent in frontier
-               for tok, prob, rank in expander.children(tree, parent, level)]
-        frontier = expander.expand(tree, new, level) if new and level < depth else []
-        tree.policy_s += clock() - ts
-        if not frontier:
-            break
-        run_nodes(draft, dcache, tree, frontier, prefix_len, temperature, top_p)
-        tree.levels.append(len(frontier))
-        calls += 1
+
+    def add(tree, parent, level):
+        return [tree.add(parent, tok, prob, rank) for tok, prob, rank in expander.children(tree, parent, level)]
+
+    grow_levels(tree, depth, add, expander.expand,
+                lambda frontier: run_nodes(draft, dcache, tree, frontier, prefix_len, temperature, top_p))
+    calls = 1 + len(tree.levels)
     return tree, prefix_len, calls
-
-
-# what `node_columns` returns per node: the structure, the node's own draft probability, and the DISCO features of
-# its parent's distribution (draft_topk (n, k) when k > 0, draft_entropy) plus parent_q, the parent's own q_token
-NODE_COLUMNS = ("node", "parent", "depth", "rank", "token", "q_token", "joint", "draft_entropy", "parent_q")
-# and per optional group: `verify` (the root's Tree.verify, repeated per node), `copy` (models.features.COPY)
-NODE_GROUP_COLUMNS = {"verify": NODE_VERIFY, "copy": COPY}
-
-
-@torch.no_grad()
-def node_columns(tree: Tree, nodes: list[int], k: int, support=None, groups=()) -> dict:
-    """Per-node numpy columns computed from the tree alone, the one definition data_gen's tree traces store
-    (data_gen.traces.tree_rows) and decode's node heads read (models.features `node_rows`), so a node head sees at
-    decode exactly what it was trained on.
-
-    draft_topk / draft_entropy are those of the distribution the node was drawn from (its parent's, `tree.dist`),
-    the values of models.features.DraftStep, the extractor decode's chain policies read (`Tree.stats`; `support`:
-    the draft's reduced vocabulary, same values); q_token = that distribution at the node's token; parent_q = the
-    parent's own q_token (1.0 for the root's children). `support` defaults to the tree's. Ints are int32, floats
-    float32; draft_topk is (len(nodes), k), omitted for k = 0.
-    `groups` adds NODE_GROUP_COLUMNS: `verify` reads `tree.verify`, `copy` `tree.context`
-    (models.features.node_copy_columns); a tree without them is refused.
-    """
-    import numpy as np
-
-    from models.features import node_copy_columns
-
-    unknown = set(groups) - set(NODE_GROUP_COLUMNS)
-    if unknown:
-        raise ValueError(f"node_columns: unknown group(s) {sorted(unknown)}; known: {', '.join(NODE_GROUP_COLUMNS)}")
-    for group, have in (("verify", tree.verify), ("copy", tree.context)):
-        if group in groups and have is None:
-            what = "Tree.verify (the last verification's target entropy and margin)" if group == "verify" else \
-                "Tree.context (a ContextIndex of prompt + committed tokens)"
-            raise RuntimeError(f"node features of group {group} need {what}; grow the tree with {group}=... "
-                               "(decode.loop does for builders whose head asks)")
-
-    nodes = list(nodes)
-    width = max(k, 1)
-    parents = list(dict.fromkeys(tree.parents[i] for i in nodes))
-    stats = [tree.stats(p, width, support) for p in parents]  # once per parent, shared with the builder's children
-    row = {p: j for j, p in enumerate(parents)}
-    rows = [row[tree.parents[i]] for i in nodes]
-    ints = {"node", "parent", "depth", "rank", "token"}
-    take = {"node": nodes, "parent": [tree.parents[i] for i in nodes], "depth": [tree.depth[i] for i in nodes],
-            "rank": [tree.rank[i] for i in nodes], "token": [tree.tokens[i] for i in nodes],
-            "q_token": [tree.q_token(i) for i in nodes], "joint": [tree.joint[i] for i in nodes],
-            "draft_entropy": [float(stats[j][2]) for j in rows],
-            "parent_q": [1.0 if tree.parents[i] < 0 else tree.q_token(tree.parents[i]) for i in nodes]}
-    out = {name: np.asarray(take[name], dtype=np.int32 if name in ints else np.float32) for name in NODE_COLUMNS}
-    if k > 0:
-        top = np.stack([s[0].float().numpy() for s in stats]) if stats else np.zeros((0, k), np.float32)
-        out["draft_topk"] = top[rows] if rows else np.zeros((0, k), np.float32)
-    if "verify" in groups:
-        for name, v in zip(NODE_GROUP_COLUMNS["verify"], tree.verify):
-            out[name] = np.full(len(nodes), v, dtype=np.float32)
-    if "copy" in groups:
-        copy = node_copy_columns(tree.context, tree.parents, tree.tokens, list(nodes))
-        for j, name in enumerate(NODE_GROUP_COLUMNS["copy"]):
-            out[name] = copy[:, j]
-    return out
 
 
 class TopkExpander:

@@ -8,7 +8,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from data_gen.labels import is_node, required_columns
-from models.features import feature_kind
+from models.features.spec import feature_kind
 from models.heads import head_family
 from utils.cli import CONF_DIR, known_names
 

@@ -68,7 +68,8 @@ def test_tree_decoding_on_cuda_is_lossless(tiny_cfg, forward):
     decode exactly target-only greedy on CUDA, with trees that branch."""
     from omegaconf import OmegaConf
 
-    from decode.tree_builders import Eagle2, LearnedTree, Sequoia
+    from decode.learned_trees import LearnedTree
+    from decode.tree_builders import Eagle2, Sequoia
     from models.pair import load_pair
     from tests.test_decode import make_head
     from tests.test_trees import _profile, assert_branching_lossless

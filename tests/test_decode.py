@@ -16,7 +16,7 @@ from decode.loop import autoregressive, speculative
 from models.lm import LM
 from decode.policies import Learned, Sprinter, StopPolicy, build_policy
 from models.distributions import draft_probs, entropy, topk_probs
-from models.features import FeatureSpec
+from models.features.spec import FeatureSpec
 
 PROMPTS = ["def add(a, b):\n    return", "The quick brown fox", "x = [i * i for i in range(10)]\nprint("]
 

@@ -32,7 +32,7 @@ def fake_training_run(root, kind: str, pair, seed: int = 0, pair_id: str | None 
     `python -m train` leaves them (random head weights: eval only needs a head, not a good one)."""
     from data_gen.run import generate
     from data_gen.store import load_traces
-    from models.features import FeatureSpec
+    from models.features.spec import FeatureSpec
     from models.heads import CKPT_KEY, HeadBundle, build_head
     from data_gen.contract import split_cfg
 
@@ -70,7 +70,7 @@ def independent_auroc(ckpt, root):
     """AUROC recomputed from the trace files with sklearn, without eval's code path."""
     from data_gen.labels import make_labels
     from data_gen.store import load_traces
-    from models.features import features_from_columns
+    from models.features.spec import features_from_columns
     from models.heads import load_head
     from data_gen.contract import trace_columns
 

@@ -36,7 +36,7 @@ class Recorder:
     max_len = 10 * NEW
 
     def __init__(self, spec):
-        from models.features import PlusFeatures
+        from models.features.chain import PlusFeatures
 
         self.plus = PlusFeatures(spec)
         self.rows: dict[int, torch.Tensor] = {}
@@ -60,8 +60,10 @@ class Recorder:
 def test_decode_rows_equal_trace_rows(plus_traces, tiny_pair):
     from data_gen.store import load_traces
     from decode.loop import autoregressive, speculative
-    from models.features import (GROUPS, TEXT, FeatureSpec, continuation_starts, features_from_columns,
-                                 needed_columns, pack_classes, token_classes)
+    from models.features.layout import GROUPS, TEXT
+    from models.features.spec import FeatureSpec, features_from_columns, needed_columns
+    from models.features.text import pack_classes, token_classes
+    from models.features.trace import continuation_starts
     from data_gen.contract import trace_columns
 
     ds, manifest = load_traces(plus_traces)
@@ -105,7 +107,9 @@ def test_text_classes_by_hand():
     after the last newline, and the trace columns continue it across the context."""
     import numpy as np
 
-    from models.features import CLASSES, advance_line, pack_classes, text_columns, token_classes, unpack_classes
+    from models.features.layout import CLASSES
+    from models.features.text import advance_line, pack_classes, token_classes, unpack_classes
+    from models.features.trace import text_columns
 
     class Tok:
         pieces = ["def", "Ġfoo", "(", "):", "Ċ", "ĠĠĠ", "Ġreturn", "Ġ42", "ĊĊ"]
@@ -134,7 +138,7 @@ def test_text_classes_by_hand():
 
 
 def test_copy_features_by_hand():
-    from models.features import ContextIndex
+    from models.features.context import ContextIndex
 
     idx = ContextIndex([5, 6, 7, 8, 5, 6])
     # 7 continues "5 6" (which is followed by 7 at the start): a 3-gram "5 6 7"; prompt lookup on "5 6" proposes 7
@@ -153,7 +157,7 @@ def test_old_traces_refused_in_one_line(plus_traces):
     from omegaconf import OmegaConf
 
     from data_gen.store import load_traces
-    from models.features import FeatureSpec
+    from models.features.spec import FeatureSpec
     from train.datamodule import TraceDataModule
     from utils.cli import UserError
 
@@ -206,7 +210,8 @@ def test_disco_plus_trains_calibrates_and_decodes_losslessly(tmp_path, tiny_pair
     # the replay feeds the head the context and verification statistics as the loop does: on the same prompts its
     # accepted counts are the decoder's in every round, and so is its draft length where it stopped by then
     from decode.policies import build_policy
-    from eval.replay import load_continuations, replay_one
+    from eval.continuations import load_continuations
+    from eval.replay import replay_one
     from models.cost import CostProfile
 
     profile = CostProfile.from_dict(json.loads((out / "run.json").read_text())["cost_profile"])

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from models.distributions import topk_probs
-from models.features import DraftStep, FeatureSpec, features_from_columns, trace_round_positions
+from models.features.signals import DraftStep
+from models.features.spec import FeatureSpec, features_from_columns
+from models.features.trace import trace_round_positions
 from models.heads import CKPT_KEY, HeadBundle, ResBlock, StopHead, build_head, load_head
 from utils.cli import UserError
 
@@ -221,7 +223,8 @@ def test_disco_plus_starts_as_max_q_and_embeds_token_ids():
 
 
 def test_calibration_fit_and_scorer():
-    from models.heads import DiscoFFN, fit_calibration
+    from models.calibration import fit_calibration
+    from models.heads import DiscoFFN
 
     g = torch.Generator().manual_seed(0)
     z = torch.randn(4000, generator=g) * 3

@@ -15,7 +15,8 @@ from omegaconf import open_dict
 from decode.hf_generate import generate, resolve_policy, stop_policy_generator
 from decode.loop import speculative
 from decode.policies import Constant, Learned, Sprinter, StopPolicy, build_policy
-from models.features import FeatureSpec, pack_classes, token_classes
+from models.features.spec import FeatureSpec
+from models.features.text import pack_classes, token_classes
 from models.heads import HeadBundle, build_head
 from utils.cli import CONF_DIR, UserError
 

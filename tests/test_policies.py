@@ -10,7 +10,8 @@ import torch
 from decode.policies import (SVIP, AdaEDL, Constant, Heuristic, Learned, MaxConfidence, OnlineROC, Oracle, Sprinter,
                              build_policy, parse_spec)
 from models.distributions import entropy
-from models.features import DraftStep, FeatureSpec
+from models.features.signals import DraftStep
+from models.features.spec import FeatureSpec
 from utils.cli import UserError
 
 

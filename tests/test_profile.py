@@ -295,7 +295,7 @@ def test_subset_draft_scores_only_its_tokens(tiny_cfg, tmp_path):
 def test_subset_draft_features_read_the_support(tiny_cfg, tmp_path):
     """The loop hands a subset draft's ids to DraftStep (models.lm.LM.support); top-k and entropy read only them and
     equal the full-vocabulary values (q is 0 elsewhere). A full draft has no support."""
-    from models.features import DraftStep
+    from models.features.signals import DraftStep
     from models.lm import LM
 
     pair = subset_pair(tiny_cfg, tmp_path, 20)

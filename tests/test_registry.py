@@ -13,7 +13,8 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from decode.policies import StopPolicy, known_policies, parse_spec, policy_class, policy_config
-from models.features import DraftStep, FeatureSpec, feature_kinds
+from models.features.signals import DraftStep
+from models.features.spec import FeatureSpec, feature_kinds
 from models.heads import build_head, head_family, head_kinds
 from tests.conftest import REPO
 from utils import discover

@@ -43,7 +43,8 @@ def test_rounds_equal_decoding(traces, tiny_pair, tmp_path):
     round and its draft length wherever it stopped by that rejection (k ≤ n + 1); beyond, the replay approximates."""
     from decode.policies import build_policy
     from decode.runner import main as decode
-    from eval.replay import load_continuations, replay_one
+    from eval.continuations import load_continuations
+    from eval.replay import replay_one
 
     params = {"constant": {"k": 3}, "oracle": {}, "svip": {"h": 0.9}, "max_confidence": {"lam": 0.2}}
     decode(cfg_of("decode", "pair=tiny_random", "dataset=mbpp", "split=test", f"limit={N_PROMPTS}",
@@ -71,7 +72,8 @@ def test_rounds_equal_decoding(traces, tiny_pair, tmp_path):
 
 
 def test_replay_table_synthetic_heads_and_bad_input(traces, tmp_path):
-    from eval.replay import gap_closed, run
+    from eval.replay import run
+    from eval.replay_report import gap_closed
 
     base = ["+experiment=study/disco_mbpp", "pair=tiny_random", f"replay.tune={traces['validation']}",
             f"replay.eval={traces['test']}", "policies=[constant,static_opt,svip,max_confidence,oracle,hf_assisted]",
@@ -147,7 +149,8 @@ def test_replay_table_synthetic_heads_and_bad_input(traces, tmp_path):
 def test_synthetic_scores_have_the_asked_auroc():
     from sklearn.metrics import roc_auc_score
 
-    from eval.replay import Continuation, synthetic_scores
+    from eval.continuations import Continuation
+    from eval.replay import synthetic_scores
 
     rng = np.random.default_rng(0)
     y = rng.random(20000) < 0.6

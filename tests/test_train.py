@@ -108,7 +108,7 @@ def test_results_json_keeps_its_keys_and_eval_gives_the_same_numbers(tmp_path):
     head on the test traces' own columns."""
     from data_gen.contract import trace_columns
     from eval.classifier import baseline_auroc, calibration
-    from models.features import features_from_columns
+    from models.features.spec import features_from_columns
 
     cfg = cfg_for("model=disco", "trainer=fast_dev_run")
     traces, manifests = splits()
@@ -314,7 +314,7 @@ def test_callbacks_and_data_module_come_from_config(tmp_path):
     from hydra.utils import instantiate
     from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
-    from models.features import FeatureSpec
+    from models.features.spec import FeatureSpec
     from train.job import make_callbacks
 
     cfg = cfg_for("early_stopping.patience=2", "early_stopping.min_delta=0.01", "monitor=val/ap", "data.batch_size=16")

@@ -66,7 +66,7 @@ def test_mask_looks_parents_up_in_their_own_tree(shuffle):
 
 
 def test_compose_path_product_and_min_in_any_row_order():
-    from models.features import compose_path, parent_rows
+    from models.features.nodes import compose_path, parent_rows
 
     cols = two_trees()
     p = np.array([0.5, 0.4, 0.8, 0.5, 0.5, 0.9, 0.1, 0.2, 0.6, 1.0])
@@ -89,7 +89,7 @@ def test_compose_path_product_and_min_in_any_row_order():
 def test_node_views_score_each_task_on_its_rows():
     from eval.classifier import node_views
     from eval.metrics import classification_metrics
-    from models.features import compose_path, parent_rows
+    from models.features.nodes import compose_path, parent_rows
 
     cols = two_trees()
     par, y = parent_rows(cols), cols["on_path"].astype(np.float32)
@@ -107,7 +107,7 @@ def test_node_views_score_each_task_on_its_rows():
 
 
 def test_datamodule_keeps_only_the_conditional_rows():
-    from models.features import FeatureSpec
+    from models.features.spec import FeatureSpec
     from train.datamodule import TraceDataModule
 
     traces = {}
@@ -153,7 +153,7 @@ def fake_bundle(scheme: str):
 
 
 def test_learned_tree_composes_a_conditional_head_by_product():
-    from decode.tree_builders import C2T, LearnedTree
+    from decode.learned_trees import C2T, LearnedTree
     from models.cost import CostProfile
     from models.tree import Tree
 

@@ -13,7 +13,7 @@ import torch
 from omegaconf import OmegaConf, open_dict
 
 from data_gen.contract import trace_columns
-from models.features import FeatureSpec, feature_kind
+from models.features.spec import FeatureSpec, feature_kind
 from utils.cli import UserError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -48,7 +48,7 @@ def test_node_rows_equal_the_trace_rows_exactly(close_pair, monkeypatch):
     (tree_node_plus: with the root context and verification numbers the trace hands the tree)."""
     import models.tree
     from data_gen.traces import Item, tree_batch
-    from models.features import ContextIndex
+    from models.features.context import ContextIndex
     from models.lm import LM
 
     grown, grow = [], models.tree.grow
@@ -181,7 +181,7 @@ def test_train_and_eval_a_node_head(kind, tree_traces, close_pair, tmp_path):
     from data_gen.labels import make_labels
     from eval.classifier import run as evaluate
     from eval.metrics import classification_metrics
-    from models.features import ContextIndex
+    from models.features.context import ContextIndex
     from models.heads import load_head
     from models.lm import LM
     from models.tree import TopkExpander, grow

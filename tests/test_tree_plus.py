@@ -10,7 +10,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from models.features import COPY, ContextIndex, FeatureSpec, feature_kind, node_copy_columns
+from models.features.context import ContextIndex
+from models.features.layout import COPY
+from models.features.nodes import node_copy_columns
+from models.features.spec import FeatureSpec, feature_kind
 from models.tree import Tree
 from utils.cli import UserError
 
@@ -99,7 +102,7 @@ def test_decode_hands_the_tree_the_traces_context_and_verification(tiny_cfg, mon
     rounding of the target's passes), and a node on the same root path gets the same tree_node_plus row."""
     import decode.tree
     from decode.loop import speculative
-    from decode.tree_builders import LearnedTree
+    from decode.learned_trees import LearnedTree
     from models.pair import load_pair
     from tests.test_decode import make_head
     from tests.test_tree_traces import trace_items

@@ -53,7 +53,8 @@ def test_rows_are_trees_with_greedy_labels_and_the_extractors_features(close_pai
     top-2 margin of the target's distribution that produced y[t − 1] (a cache-free target pass), 0 at t = 0."""
     from decode.loop import autoregressive
     from models.distributions import draft_probs, entropy, top2_margin
-    from models.features import ContextIndex, DraftStep
+    from models.features.context import ContextIndex
+    from models.features.signals import DraftStep
     from models.lm import LM
 
     items, rows = trace_items(close_pair, max_new=10)
@@ -187,9 +188,10 @@ def test_dynamic_builders_replay_agrees_with_decode(close_pair, name):
     them from its own tree (node_rows), so this also checks the two feature paths agree inside the builder
     (learned_tree_plus: a tree_node_plus head, whose copy and verify columns decode gets from the loop)."""
     from decode.loop import speculative
-    from decode.tree_builders import C2T, Eagle2, LearnedTree
+    from decode.learned_trees import C2T, LearnedTree
+    from decode.tree_builders import Eagle2
     from eval.tree_replay import candidates_from_columns, replay
-    from models.features import feature_kind
+    from models.features.spec import feature_kind
     from tests.test_decode import make_head
 
     prof = _profile(slope=0.0, c=0.05)

@@ -220,7 +220,7 @@ def test_learned_builders_are_target_greedy_and_refuse_chain_heads(close_tiny, n
     once, and refuse a chain head in one line; a tree_node_plus head (copy and verify node groups) makes the loop
     hand each round's tree its context and the last verification's numbers."""
     from decode.loop import autoregressive, speculative
-    from decode.tree_builders import C2T, LearnedTree
+    from decode.learned_trees import C2T, LearnedTree
     from tests.test_decode import make_head
     from utils.cli import UserError
 
@@ -247,8 +247,8 @@ def test_node_columns_read_each_parent_once_and_match_the_one_extractor(support)
     node's top-k and entropy are DraftStep's for its own parent (the chain policies' extractor), its q_token that
     parent's probability of its token, for any subset of nodes asked for (a learned builder asks level by level);
     the children a builder adds (Tree.top) are the top-k of the full distribution, read on the support."""
-    from models.features import DraftStep
-    from models.tree import node_columns
+    from models.features.signals import DraftStep
+    from models.features.nodes import node_columns
 
     gen = torch.Generator().manual_seed(0)
 

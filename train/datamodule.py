@@ -26,7 +26,7 @@ from data_gen.contract import HEAD_SPLITS as SPLITS
 from data_gen.contract import trace_columns
 from data_gen.labels import is_soft, make_labels, make_mask, make_weights, required_columns, weight_columns
 from eval.metrics import baseline_columns
-from models.features import FeatureSpec, features_from_columns, needed_columns
+from models.features.spec import FeatureSpec, features_from_columns, needed_columns
 from utils.cli import UserError
 
 log = logging.getLogger(__name__)
@@ -131,7 +131,7 @@ class TraceDataModule(L.LightningDataModule):
         base = {c: cols[c] for c in baseline_columns(kind.baselines) if c in cols}
         mask = make_mask(cols, self.labels_cfg)  # None: every row is labelled
         if split == "test" and kind.tree and all(c in cols for c in tree_cols):
-            from models.features import parent_rows
+            from models.features.nodes import parent_rows
 
             self.data.setdefault(split, {})["nodes"] = {"x": x, "on_path": np.asarray(cols["on_path"]).astype(bool),
                                                         "parent_row": parent_rows(cols), "base": dict(base)}

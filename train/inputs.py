@@ -114,7 +114,7 @@ def check_manifests(cfg: DictConfig, manifests: dict) -> dict:
 
 def text_classes(cfg: DictConfig, manifest: dict) -> str:
     """The `text` group's token classes of the traces' tokenizer (the pair's, checked by hash), packed for the spec."""
-    from models.features import pack_classes, token_classes
+    from models.features.text import pack_classes, token_classes
     from models.pair import load_tokenizer, tokenizer_hash
 
     tok = load_tokenizer(cfg.pair)
@@ -125,7 +125,7 @@ def text_classes(cfg: DictConfig, manifest: dict) -> str:
 
 def feature_spec(cfg: DictConfig, manifest: dict):
     """The head's feature spec: the feature kind its family reads (models.heads), sized from the traces' manifest."""
-    from models.features import FeatureSpec, feature_kind
+    from models.features.spec import FeatureSpec, feature_kind
     from models.heads import head_family, head_kinds
 
     kind = str(cfg.model.kind)

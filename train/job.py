@@ -176,7 +176,8 @@ def calibrate_checkpoint(path: Path, val: dict, mode: str, threshold_mode: str, 
     import torch
 
     from eval.metrics import best_f1_threshold
-    from models.heads import fit_calibration, load_head, update_head_meta
+    from models.calibration import fit_calibration
+    from models.heads import load_head, update_head_meta
 
     bundle = load_head(path)
     logits = bundle.logit(val["x"]).cpu()

@@ -15,7 +15,7 @@ from torchmetrics import MetricCollection
 from torchmetrics.classification import BinaryAUROC, BinaryAveragePrecision, BinaryF1Score
 
 from eval.metrics import best_f1_threshold, classification_metrics
-from models.features import FeatureSpec
+from models.features.spec import FeatureSpec
 from models.heads import CKPT_KEY, HeadBundle, build_head
 from utils.cli import UserError
 

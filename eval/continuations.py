@@ -1,0 +1,97 @@
+"""Greedy target_ar traces as continuations: the rows a replay reads rounds off (eval.replay, train's speed rule),
+loaded and checked in one line when they are not greedy target_ar traces."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from models.features.signals import VerifyStats, compared
+from models.features.trace import continuation_starts
+from utils.cli import UserError
+
+
+@dataclass
+class Continuation:
+    """One greedy continuation of a trace: per-row draft features, the target's tokens, and (when the trace has them)
+    what a disco_plus head reads: the prompt and context tokens and the target's per-row statistics."""
+
+    topk: torch.Tensor  # (n, k) draft top-k probabilities
+    entropy: torch.Tensor  # (n,)
+    hidden: torch.Tensor | None  # (n, d) or None
+    draft_token: np.ndarray
+    target_token: np.ndarray
+    prompt_id: str = ""
+    prompt: list[int] | None = None  # prompt token ids
+    context_token: np.ndarray | None = None  # the continuation's tokens (the target's greedy tokens)
+    target_entropy: np.ndarray | None = None  # H_p, top-2 margin of p and TVD(p, q) per row
+    target_margin: np.ndarray | None = None
+    tvd: np.ndarray | None = None
+
+    @property
+    def accepted(self) -> np.ndarray:
+        return self.draft_token == self.target_token
+
+    def verify_stats(self, t: int, k: int, n: int) -> VerifyStats:
+        """The loop's VerifyStats (decode.loop._verify_stats) of a round that started at row t, drafted k, kept n:
+        the target produced row t + n's token, so H_p and the margin are row t + n's, TVD averaged over rows
+        t .. t + min(n + 1, k) − 1."""
+        tvds = self.tvd[t : t + compared(k, n)]
+        return VerifyStats.of(self.target_entropy[t + n], self.target_margin[t + n], tvds, k, n)
+
+
+def check_greedy(manifest: dict, where) -> None:
+    """Refuse, in one line, traces that are not greedy target_ar (the only ones a replay can read rounds off)."""
+    kind, temp = manifest.get("trace_kind"), manifest.get("temperature")
+    if kind != "target_ar" or temp is None or float(temp) != 0.0:
+        raise UserError(f"{where} holds {kind} traces at temperature {temp}; this needs greedy target_ar traces "
+                        "(python -m data_gen trace=target_ar trace.temperature=0)")
+
+
+def load_greedy_traces(folder: Path, names: list[str]) -> tuple[dict, dict]:
+    """(columns present among `names`, manifest) of a greedy target_ar trace folder; other folders refused in one line."""
+    from data_gen.contract import trace_columns
+    from data_gen.store import load_traces
+
+    folder = Path(folder)
+    if not folder.exists():
+        raise UserError(f"no traces at {folder}; make them with python -m data_gen trace=target_ar split=... limit=...")
+    ds, manifest = load_traces(folder)
+    check_greedy(manifest, folder)
+    return trace_columns(ds, [n for n in names if n in ds.column_names]), manifest
+
+
+PLUS_TRACE_COLUMNS = ("prompt_tokens", "context_token", "target_entropy", "target_margin", "tvd")
+CONTINUATION_COLUMNS = ["prompt_id", "kind", "position", "draft_token", "target_token", "draft_topk", "draft_entropy",
+                        "draft_hidden", *PLUS_TRACE_COLUMNS]
+
+
+def load_continuations(folder: Path) -> tuple[list[Continuation], dict, dict]:
+    """A greedy target_ar trace folder as (continuations, manifest, columns)."""
+    cols, manifest = load_greedy_traces(folder, CONTINUATION_COLUMNS)
+    return continuations(cols), manifest, cols
+
+
+def continuations(cols: dict) -> list[Continuation]:
+    """Trace columns (`CONTINUATION_COLUMNS` where present) split into continuations."""
+    starts = np.flatnonzero(continuation_starts(cols))
+    ends = np.append(starts[1:], len(cols["position"]))
+    topk = torch.tensor(cols["draft_topk"], dtype=torch.float32)
+    ent = torch.tensor(cols["draft_entropy"], dtype=torch.float32)
+    hid = torch.tensor(cols["draft_hidden"]).float() if "draft_hidden" in cols else None
+    plus = all(c in cols for c in PLUS_TRACE_COLUMNS)
+
+    def part(name, a, b):
+        return cols[name][a:b] if plus else None
+
+    out = [Continuation(topk[a:b], ent[a:b], None if hid is None else hid[a:b],
+                        cols["draft_token"][a:b].astype(np.int64), cols["target_token"][a:b].astype(np.int64),
+                        prompt_id=str(cols["prompt_id"][a]) if "prompt_id" in cols else str(i),
+                        prompt=[int(x) for x in cols["prompt_tokens"][a]] if plus else None,
+                        context_token=part("context_token", a, b), target_entropy=part("target_entropy", a, b),
+                        target_margin=part("target_margin", a, b), tvd=part("tvd", a, b))
+           for i, (a, b) in enumerate(zip(starts, ends))]
+    return out
