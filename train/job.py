@@ -196,7 +196,8 @@ def store_speed_rule(path: Path, val_ds, val_manifest: dict, conf) -> dict | Non
     without a tuning step. Skipped (None, with a note) for heads the replay cannot run and traces with no profile."""
     from data_gen.contract import trace_columns
     from data_gen.kinds import manifest_kind
-    from eval.replay import CONTINUATION_COLUMNS, continuations, speed_rule
+    from eval.continuations import CONTINUATION_COLUMNS, continuations
+    from eval.replay import speed_rule
     from models.cost import CostProfile
     from models.heads import load_head, update_head_meta
 
