@@ -72,7 +72,7 @@ def test_tree_decoding_on_cuda_is_lossless(tiny_cfg, forward):
     from decode.tree_builders import Eagle2, Sequoia
     from models.pair import load_pair
     from tests.test_decode import make_head
-    from tests.test_trees import _profile, assert_branching_lossless
+    from tests.test_decode_tree import _profile, assert_branching_lossless
 
     pair = load_pair(OmegaConf.merge(tiny_cfg, {"device": "cuda", "forward": forward, "draft": {"layers": [0, 1, 2]}}))
     bundle = make_head(pair, "tree_node_plus", seed=2)

@@ -390,7 +390,7 @@ def test_real_mbpp_greedy_lossless_chains_and_trees():
     from decode.run import tokenize_prompts
     from decode.tree_builders import Eagle2, Sequoia, TreeStatic
     from models.pair import load_pair
-    from tests.test_trees import _profile
+    from tests.test_decode_tree import _profile
     from utils.cli import CONF_DIR
 
     torch.set_num_threads(1)  # a busy shared CPU runs one thread per process best

@@ -159,7 +159,7 @@ def test_every_feature_kind_declares_its_columns():
         src = dict(cols, position=np.zeros(len(cols["position"]), np.int32)) if kind.tree else cols  # one tree: one position
         x = kind.from_columns({c: src[c] for c in kind.columns(spec)}, spec)  # nothing beyond its columns
         assert x.shape == (len(cols["position"]), spec.dim), name
-        if kind.tree:  # node kinds score tree nodes (tests/test_tree_heads.py: node_rows); no chain-round decoder
+        if kind.tree:  # node kinds score tree nodes (tests/test_features_nodes.py: node_rows); no chain-round decoder
             with pytest.raises(UserError, match="token-tree nodes"):
                 kind.decoder(spec)
             continue

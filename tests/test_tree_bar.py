@@ -10,7 +10,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from tests.test_tree_traces import TREE, close_pair, trace_items  # noqa: F401  (close_pair: a fixture)
-from tests.test_trees import _profile
+from tests.test_decode_tree import _profile
 from utils.cli import UserError
 
 pytestmark = pytest.mark.usefixtures("one_thread")

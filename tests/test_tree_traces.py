@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from data_gen.run import generate, verify_cmd
 from data_gen.store import load_traces
 from tests.test_data_gen import make_cfg
-from tests.test_trees import _profile
+from tests.test_decode_tree import _profile
 from utils.cli import UserError
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -1,4 +1,4 @@
-"""tree_node_plus (issue 30): node heads with the chain heads' richer inputs — the copy group on a context that
+"""models.features.nodes' node groups (tree_node_plus, issue 30): node heads with the chain heads' richer inputs — the copy group on a context that
 branches per node (hand-made context with known values), the policy-free verify group, decode handing each round's
 tree the trace's context and verification numbers, and older tree traces refused for it in one line (tree_node still
 reads them)."""
@@ -106,7 +106,7 @@ def test_decode_hands_the_tree_the_traces_context_and_verification(tiny_cfg, mon
     from models.pair import load_pair
     from tests.test_decode import make_head
     from tests.test_tree_traces import trace_items
-    from tests.test_trees import _profile
+    from tests.test_decode_tree import _profile
 
     pair = load_pair(OmegaConf.merge(tiny_cfg, {"draft": {"layers": [0, 1, 2]}}))
     items, rows = trace_items(pair, max_new=12, topk=3, depth=3)

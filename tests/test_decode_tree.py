@@ -1,4 +1,4 @@
-"""Token trees (issue 30): the walks' acceptance rules, the builders' shapes, and the loop's losslessness."""
+"""decode.tree, decode.tree_builders and decode.learned_trees (token trees, issue 30): the walks' acceptance rules, the builders' shapes, and the loop's losslessness."""
 
 from __future__ import annotations
 

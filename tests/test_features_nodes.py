@@ -1,4 +1,4 @@
-"""Token-tree node heads (issue 30): the c2t / tree_node / tree_node_plus feature kinds give the same rows from a
+"""models.features.nodes, the token-tree node kinds (issue 30): the c2t / tree_node / tree_node_plus feature kinds give the same rows from a
 models.tree.Tree (decode's `node_rows`) as from that tree's trace columns, the on_path label scheme, and train →
 checkpoint → eval on tiny tree traces, compared with the joint probability and q_token rather than max q / −H_q."""
 

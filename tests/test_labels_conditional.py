@@ -1,4 +1,4 @@
-"""The conditional node task (issue 30): labels=on_path_given_parent's row mask (parents looked up within their own
+"""data_gen.labels' conditional node scheme and models.features.nodes.compose_path (issue 30): labels=on_path_given_parent's row mask (parents looked up within their own
 (prompt_id, position) tree), the product composition along root paths, the two node views of a head, learned_tree's
 branch on a conditional head (and c2t's refusal), and the scheme refused on chain traces in one line."""
 
@@ -189,7 +189,7 @@ def test_train_and_eval_a_conditional_node_head(tmp_path):
     from data_gen.run import generate
     from eval.classifier import run as evaluate
     from models.pair import load_pair
-    from tests.test_tree_heads import train_cfg  # tiny tree_mbpp settings (the close tiny pair)
+    from tests.test_features_nodes import train_cfg  # tiny tree_mbpp settings (the close tiny pair)
     from train.inputs import load_traces
     from train.job import run
 
