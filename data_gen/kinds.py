@@ -8,8 +8,6 @@ makes their rows) is declared on the class, never read off its name (DESIGN.md "
 
 from __future__ import annotations
 
-from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
 
 from data_gen.tree_format import TREE_FORMAT
 from utils import discover
@@ -135,13 +133,4 @@ def manifest_kind(manifest: dict) -> TraceKind | None:
 def trace_kind(t) -> TraceKind:
     """The kind a trace config describes, built from its `_target_`; a config without one (a manifest's, from
     before the key) is looked up by `kind` in conf/trace."""
-    params = OmegaConf.to_container(t, resolve=True) if isinstance(t, DictConfig) else dict(t or {})
-    name = params.get("kind")
-    if not params.get("_target_"):
-        found = discover.load("trace", str(name)) if name is not None else None
-        if not found or not found.get("_target_"):
-            raise UserError(f"trace.kind={name} is not one of: {', '.join(discover.names('trace'))}")
-        params["_target_"] = found["_target_"]
-    cls = discover.target_class(params["_target_"], TraceKind, f"trace={name}")
-    params["_target_"] = f"{cls.__module__}.{cls.__qualname__}"
-    return instantiate(params)
+    return discover.build("trace", t, TraceKind, "kind", f"trace kind '{dict(t or {}).get('kind')}'")

@@ -31,8 +31,6 @@ changes soft-reach or sampled training.
 from __future__ import annotations
 
 import numpy as np
-from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
 
 from utils import discover
 from utils.cli import UserError
@@ -132,16 +130,7 @@ def scheme(cfg) -> LabelScheme:
     without one (checkpoints from before the key) is looked up by `name` in conf/labels."""
     if isinstance(cfg, LabelScheme):
         return cfg
-    params = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg or {})
-    name = params.get("name")
-    if not params.get("_target_"):
-        found = discover.load("labels", str(name)) if name is not None else None
-        if not found or not found.get("_target_"):
-            raise UserError(f"unknown label scheme '{name}'; known: {', '.join(discover.names('labels'))}")
-        params["_target_"] = found["_target_"]
-    cls = discover.target_class(params["_target_"], LabelScheme, f"labels={name}")
-    params["_target_"] = f"{cls.__module__}.{cls.__qualname__}"
-    return instantiate(params)
+    return discover.build("labels", cfg, LabelScheme, "name", f"label scheme '{dict(cfg or {}).get('name')}'")
 
 
 def required_columns(cfg) -> tuple[str, ...]:

@@ -116,3 +116,23 @@ def _import(path: str):
             obj = getattr(obj, name)
         return obj
     raise error
+
+
+def build(group: str, cfg, base: type, key: str = "name", what: str | None = None):
+    """The `base` instance a config describes (a yaml of `group`, or a dict a checkpoint or manifest stored), built
+    by `hydra.utils.instantiate` from its `_target_`. A config without one (stored before the key existed) is looked
+    up by its `key` (the thing's name) in `<group>/<name>.yaml`. `what` names the thing in the one error line."""
+    from hydra.utils import instantiate
+    from omegaconf import DictConfig
+
+    params = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg or {})
+    name = params.get(key)
+    what = what or f"{group} '{name}'"
+    if not params.get("_target_"):
+        found = load(group, str(name)) if name is not None else None
+        if not found or not found.get("_target_"):
+            raise UserError(f"unknown {what}; known: {', '.join(names(group))}")
+        params["_target_"] = found["_target_"]
+    cls = target_class(params["_target_"], base, f"{group}={name}")
+    params["_target_"] = f"{cls.__module__}.{cls.__qualname__}"
+    return instantiate(params)
