@@ -47,7 +47,7 @@ from models.cost import CostProfile
 from decode.policies import Learned, StopPolicy, build_policy, split_spec
 from decode.methods import Method, methods_from_cfg
 from decode.tune import choose, grid_params, tune_grid
-from eval.continuations import Continuation, load_continuations
+from eval.continuations import PLUS_TRACE_COLUMNS, Continuation, load_continuations
 from eval.replay_report import compare, gap_closed, write_outputs
 from models.features.signals import DraftStep
 from utils.cli import UserError, hydra_entry, output_dir
