@@ -25,7 +25,7 @@ from bench import repo_path
 from data_gen.prompts import load_prompts
 from decode.loop import autoregressive, speculative
 from decode.metrics import agreement
-from decode.policies import Constant
+from decode.rules import Constant
 from decode.run import tokenize_prompts
 from models.pair import load_pair
 from utils.cli import hydra_entry

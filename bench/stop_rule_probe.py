@@ -3,7 +3,7 @@
 
     python -m bench.stop_rule_probe [out_dir=results/bench] [cost_profile=results/stop_heads/profile.json]
 
-The expected-value rule (decode.policies.ExpectedValueRule) decides after drafted token k whether to draft k + 1
+The expected-value rule (decode.expected_value.ExpectedValueRule) decides after drafted token k whether to draft k + 1
 from Π a_i (the round survives so far) and a guess of a_{k+1}, which no policy has seen yet: it uses a_k. This
 probe measures, on the heads' traces (train: MBPP 511-570, calibration shift chosen on validation 571-600, replayed on
 the 500 test prompts, cost model under results/stop_heads/profile.json):
@@ -34,7 +34,8 @@ from sklearn.ensemble import HistGradientBoostingClassifier
 from sklearn.metrics import roc_auc_score
 
 from bench import REPO, command, repo_path
-from decode.policies import ExpectedValueRule, StopPolicy, platt
+from decode.expected_value import ExpectedValueRule, platt
+from decode.policies import StopPolicy
 from eval.continuations import CONTINUATION_COLUMNS, continuations, load_greedy_traces
 from eval.replay import replay_one, summarize
 from models.cost import CostProfile
@@ -92,7 +93,7 @@ def gbm(x, y):
 
 class RowScores(StopPolicy):
     """The expected-value rule on per-row P(accept) and, optionally, per-row guesses of the next row's, read through
-    the calibration shift σ(a·logit + b) (decode.policies.platt) the study tunes for every calibrated score."""
+    the calibration shift σ(a·logit + b) (decode.expected_value.platt) the study tunes for every calibrated score."""
 
     name = "probe"
     needs_probs = False
@@ -102,7 +103,7 @@ class RowScores(StopPolicy):
         self.rule, self.a, self.b = ExpectedValueRule(profile, max_len), a, b
 
     def shift(self, p: float) -> float:
-        p = min(max(float(p), 1e-6), 1 - 1e-6)  # as decode.policies.Learned reads a head's P(accept)
+        p = min(max(float(p), 1e-6), 1 - 1e-6)  # as decode.learned.Learned reads a head's P(accept)
         return platt(math.log(p / (1 - p)), self.a, self.b)
 
     def reset(self, synthetic=None, **ctx):

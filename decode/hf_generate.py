@@ -27,9 +27,9 @@ there, with decode/loop.py's own function. Heads therefore see the features they
 rows equal decode's). transformers' own rules are off: no confidence threshold, no heuristic schedule;
 `policy.max_len` caps a round.
 
-**What works.** Every exact stop policy (`WORKS`), greedy and sampling. Refused with one UserError: `sprinter`
-(approximate verification: transformers checks every drafted token), `oracle` (needs the target-only output in
-advance), `hf_assisted` (it *is* transformers' rule). Rules that read the measured cost profile (expected_value, and
+**What works.** Every exact stop policy (`works()`, read from the classes' flags), greedy and sampling. Refused
+with one UserError (`REFUSED`, by flag): `sprinter` (approximate verification: transformers checks every drafted
+token), `oracle` (needs the target-only output in advance), `hf_assisted` (it *is* transformers' rule), tree builders. Rules that read the measured cost profile (expected_value, and
 heads whose stored rule is expected_value) need `profile=` (a models.cost.CostProfile, or a function returning one),
 or `pair=` to measure it, or `rule="threshold"`.
 
@@ -52,14 +52,13 @@ from transformers import GenerationMixin, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.candidate_generator import AssistedCandidateGenerator
 
 from decode.loop import _verify_stats
-from decode.policies import Learned, build_policy, parse_spec, policy_class, policy_config
+from decode.learned import Learned
+from decode.policies import build_policy, known_policies, parse_spec, policy_class, policy_config
 from models.distributions import draft_probs
 from models.features.signals import DraftStep
 from models.heads import HeadBundle, load_head
 from utils.cli import UserError
 
-WORKS = ("constant, static_opt, heuristic, max_confidence, online_roc, svip, adaedl, expected_value (with a cost "
-         "profile) and learned heads (disco, disco_plus, specdecpp; a head .ckpt, a HeadBundle or learned:PATH)")
 REFUSED = {
     "approximate": "needs approximate verification (SPRINTER keeps tokens the target never checks), and transformers' "
                    "generate() verifies every drafted token",
@@ -67,6 +66,20 @@ REFUSED = {
     "external": "is transformers' own assisted generation already: pass its settings to generate() instead",
     "tree": "builds token trees, and transformers' assisted generation verifies one chain; use python -m decode",
 }
+
+
+
+def works() -> str:
+    """The policies that run inside generate(), read from their classes' flags (none of REFUSED's), for messages."""
+    names = []
+    for name in known_policies():
+        try:
+            cls = policy_class(name)
+        except UserError:  # a user's broken yaml is reported where it is used, not here
+            continue
+        if cls is not None and not any(getattr(cls, flag, False) for flag in REFUSED):
+            names.append(f"{name}:PATH (a head .ckpt or HeadBundle too)" if cls.learned else name)
+    return ", ".join(names)
 
 
 # ------------------------------------------------------------------------------------------------- the generator
@@ -239,7 +252,7 @@ def resolve_policy(policy, draft, *, profile=None, pair=None, tokenizer=None, **
                         f"an already built {type(policy).__name__}")
     if not callable(getattr(policy, "should_stop", None)) or not hasattr(policy, "max_len"):
         raise UserError(f"policy must be a stop policy (decode.policies), a head (models.heads.load_head), a head "
-                        f".ckpt path or a policy name; got {type(policy).__name__}. Inside generate() these work: {WORKS}")
+                        f".ckpt path or a policy name; got {type(policy).__name__}. Inside generate() these work: {works()}")
     for flag, why in REFUSED.items():
         if getattr(policy, flag, False):
             _refuse(getattr(policy, "name", type(policy).__name__), why)
@@ -277,7 +290,7 @@ def _defaults(name: str) -> dict:
 
 
 def _learned(bundle: HeadBundle, cls, draft, profile, pair, tokenizer, params: dict):
-    """A learned policy (decode.policies.Learned) on a checked head, with the cost profile when its rule reads one."""
+    """A learned policy (decode.learned.Learned) on a checked head, with the cost profile when its rule reads one."""
     _check_head(bundle, draft, pair, tokenizer)
     kw = {**_defaults(cls.name), **params}
     if cls.wants_profile(kw, bundle):
@@ -326,7 +339,7 @@ def _check_head(bundle: HeadBundle, draft, pair, tokenizer) -> None:
 
 
 def _refuse(name: str, why: str):
-    raise UserError(f"policy '{name}' cannot run inside transformers' generate(): it {why}. These work: {WORKS}")
+    raise UserError(f"policy '{name}' cannot run inside transformers' generate(): it {why}. These work: {works()}")
 
 
 def _check_transformers() -> None:
@@ -340,4 +353,4 @@ def _check_transformers() -> None:
                         "written against transformers 5.24 (pip install 'transformers>=5.20,<6')")
 
 
-__all__ = ["StopPolicyHook", "PolicyCandidateGenerator", "stop_policy_generator", "generate", "resolve_policy", "WORKS"]
+__all__ = ["StopPolicyHook", "PolicyCandidateGenerator", "stop_policy_generator", "generate", "resolve_policy", "works"]

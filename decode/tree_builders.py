@@ -53,7 +53,7 @@ class TreeBuilder(StopPolicy):
         unit time, 0 when none does. `expected` tokens (1 + the nodes' estimated acceptances) for the draft calls
         `levels` (`round_cost`) and `nodes` verified nodes so far; taking m offers costs one more draft call on m
         nodes and their children's share of the verification pass. With one rank-1 offer this is the chain's
-        expected-value stop rule (decode.policies.ExpectedValueRule: gain = survival × the last token's
+        expected-value stop rule (decode.expected_value.ExpectedValueRule: gain = survival × the last token's
         probability) priced as a tree round, so a builder that uses it contains the expected-value chain."""
         best, best_m, gain, added = expected / self.round_cost(levels, nodes), 0, 0.0, 0
         for m, (g, n) in enumerate(offers, 1):

@@ -44,7 +44,8 @@ from tqdm.auto import tqdm
 from decode import wandb_log
 from decode.metrics import per_position, speedup_from_costs
 from models.cost import CostProfile
-from decode.policies import Learned, StopPolicy, build_policy, split_spec
+from decode.learned import Learned
+from decode.policies import StopPolicy, build_policy, split_spec
 from decode.methods import Method, methods_from_cfg
 from decode.tune import choose, grid_params, tune_grid
 from eval.continuations import PLUS_TRACE_COLUMNS, Continuation, load_continuations

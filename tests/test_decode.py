@@ -14,7 +14,8 @@ from scipy.stats import chisquare
 
 from decode.loop import autoregressive, speculative
 from models.lm import LM
-from decode.policies import Learned, Sprinter, StopPolicy, build_policy
+from decode.learned import Learned, Sprinter
+from decode.policies import StopPolicy, build_policy
 from models.distributions import draft_probs, entropy, topk_probs
 from models.features.spec import FeatureSpec
 

@@ -184,7 +184,7 @@ def test_sequoia_with_a_chain_shape_is_the_expected_value_chain(close_tiny):
     """Where the profile makes Sequoia's shape a chain, its level-by-level expected-value cut drafts exactly what
     `expected_value` (a=1, b=0) drafts: same tokens, same (drafted, accepted) rounds and draft calls (but for the
     last round, where no token is left to draft: a chain then skips its draft call, a tree round still makes it)."""
-    from decode.policies import ExpectedValue
+    from decode.expected_value import ExpectedValue
     from decode.tree_builders import Sequoia
 
     prof = _profile(slope=0.004, c=0.002)

@@ -14,7 +14,9 @@ from omegaconf import open_dict
 
 from decode.hf_generate import generate, resolve_policy, stop_policy_generator
 from decode.loop import speculative
-from decode.policies import Constant, Learned, Sprinter, StopPolicy, build_policy
+from decode.learned import Learned, Sprinter
+from decode.policies import StopPolicy, build_policy
+from decode.rules import Constant
 from models.features.spec import FeatureSpec
 from models.features.text import pack_classes, token_classes
 from models.heads import HeadBundle, build_head

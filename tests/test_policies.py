@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from decode.policies import (SVIP, AdaEDL, Constant, Heuristic, Learned, MaxConfidence, OnlineROC, Oracle, Sprinter,
-                             build_policy, parse_spec)
+from decode.learned import Learned, Sprinter
+from decode.policies import build_policy, parse_spec
+from decode.rules import SVIP, AdaEDL, Constant, Heuristic, MaxConfidence, OnlineROC, Oracle
 from models.distributions import entropy
 from models.features.signals import DraftStep
 from models.features.spec import FeatureSpec
@@ -199,7 +200,7 @@ def best_k(a: float, prof, max_len=16) -> int:
 def test_expected_value_rule_drafts_the_rate_optimal_length(a, slope):
     """With a constant calibrated acceptance a, the greedy rule stops at the length a brute-force search over K
     finds best (the rate E/T is unimodal in K there); a steeper verification curve shortens rounds."""
-    from decode.policies import ExpectedValueRule
+    from decode.expected_value import ExpectedValueRule
 
     prof = ev_profile(slope=slope)
     rule = ExpectedValueRule(prof, 16)
@@ -212,7 +213,7 @@ def test_expected_value_rule_drafts_the_rate_optimal_length(a, slope):
 def test_expected_value_rule_next_token_guess():
     """a_next replaces the rule's default guess of the next token (a itself): a sure next token keeps drafting where a
     hopeless one stops at once, for the same current-token probabilities."""
-    from decode.policies import ExpectedValueRule
+    from decode.expected_value import ExpectedValueRule
 
     prof = ev_profile()
     default, sure, hopeless = (ExpectedValueRule(prof, 16) for _ in range(3))
@@ -221,7 +222,7 @@ def test_expected_value_rule_next_token_guess():
 
 
 def test_expected_value_policy_reads_score_and_profile():
-    from decode.policies import ExpectedValue
+    from decode.expected_value import ExpectedValue
 
     with pytest.raises(UserError, match="cost profile"):
         ExpectedValue()
@@ -242,7 +243,7 @@ def test_expected_value_online_calibration_follows_the_revealed_acceptance():
     """`adapt: online`: b moves towards the acceptance the verifications reveal — down when confident tokens keep
     being rejected, up when they are accepted — only accepted tokens and the first rejection count, b carries across
     prompts unless `per_prompt_reset`, and a pessimistic b drafts shorter rounds."""
-    from decode.policies import ExpectedValue
+    from decode.expected_value import ExpectedValue
 
     confident = torch.tensor([0.9] + [0.1 / 49] * 49)
 

@@ -12,7 +12,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
-from decode.policies import StopPolicy, known_policies, parse_spec, policy_class, policy_config
+from decode.policies import StopPolicy, build_policy, known_policies, parse_spec, policy_class, policy_config
 from models.features.signals import DraftStep
 from models.features.spec import FeatureSpec, feature_kinds
 from models.heads import build_head, head_family, head_kinds
@@ -88,14 +88,30 @@ def test_every_policy_yaml_instantiates(tiny_pair):
 
 
 def test_capabilities_are_declared_on_the_classes():
+    """What a policy is comes from its class, never from a list of names here: the flags are booleans, the ones that
+    imply others agree, a tree policy is a tree builder, and the flags decide what building it asks for."""
+    from decode.tree_builders import TreeBuilder
+
+    flags = ("needs_probs", "needs_hidden", "needs_context", "needs_verify_stats", "greedy_only", "approximate",
+             "oracle", "needs_profile", "learned", "external", "tree")
     caps = {n: policy_class(n) for n in known_policies()}
-    assert {n for n, c in caps.items() if c.learned} == {"learned", "sprinter", "c2t", "learned_tree"}
-    assert {n for n, c in caps.items() if c.external} == {"hf_assisted"}
-    assert {n for n, c in caps.items() if c.oracle} == {"oracle"}
-    trees = {"tree_static", "sequoia", "eagle2", "c2t", "learned_tree"}
-    assert {n for n, c in caps.items() if c.needs_profile} == {"expected_value", "expected_value_online", *trees}
-    assert {n for n, c in caps.items() if c.tree} == trees
-    assert {n for n, c in caps.items() if c.approximate} == {"sprinter"}
+    for name, cls in caps.items():
+        assert all(isinstance(getattr(cls, f), bool) for f in flags), name
+        assert cls.tree == issubclass(cls, TreeBuilder), name
+        assert not cls.approximate or cls.learned, name  # SPRINTER's verifier is a head
+        assert not cls.oracle or cls.greedy_only, name  # the oracle reads the greedy target output
+        assert not (cls.external and cls.tree), name
+        assert cls.trace_score in (None, "max_q", "neg_entropy"), name
+        params = {k: v for k, v in policy_config(name).items() if k != "_target_"}
+        if cls.learned:  # a head policy without a checkpoint is one line naming the fix
+            with pytest.raises(UserError, match=f"policy '{name}' needs a head"):
+                build_policy(name, params)
+        elif cls.wants_profile(params):  # a profile-reading rule built with no profile and no pair: one line
+            with pytest.raises(UserError, match="cost profile"):
+                build_policy(name, params)
+    # each capability is carried by at least one shipped policy, so every branch above ran on something
+    assert all(any(getattr(c, f) for c in caps.values()) for f in ("learned", "external", "oracle", "tree",
+                                                                    "approximate", "needs_profile"))
 
 
 def _spec_for(kind: str, cfg: dict) -> FeatureSpec:
