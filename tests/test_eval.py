@@ -173,7 +173,8 @@ def test_study_report_and_stale_line(tmp_path):
     """eval.study writes a section per folder with its command; a section whose folder is missing says so, and a
     table made with other pair settings than today's defaults gets a stale line naming them (a setting the
     section's own command sets is not stale)."""
-    from eval.study import Section, Study, build, stale_reasons
+    from eval.staleness import stale_reasons
+    from eval.study import Section, Study, build
 
     run = {"pair": "smollm2_135m", "device": "cpu", "dtype": "torch.float32", "machine": "m", "date": "d",
            "draft": {"vocab_subset": 8192, "quantize": "int8"}, "linear": "packed", "forward": {"draft": "lean"}}
@@ -208,13 +209,13 @@ def test_study_report_and_stale_line(tmp_path):
 
 
 def test_study_marks_files_committed_before_the_draft(tmp_path, monkeypatch):
-    """A result that records no draft fingerprint is stale when git last committed it before today's draft
+    """eval.staleness: a result that records no draft fingerprint is stale when git last committed it before today's draft
     weights; one committed after them, one with uncommitted changes and one whose command picks another pair are
     not."""
     import subprocess
     import time
 
-    import eval.study as study_mod
+    import eval.staleness as study_mod
     from eval.study import Section
 
     def git(*args):
