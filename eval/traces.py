@@ -96,36 +96,15 @@ def oracle_rounds(accepted: np.ndarray, starts: np.ndarray, entropy: np.ndarray 
     return {"length": length, "complete": complete, "entropy": ent}
 
 
-def trace_statistics(ds, labels_cfg: DictConfig | None = None, svip_c: float = 0.15, bins: int = 20) -> dict:
-    """All of item 2's numbers from trace columns (a `datasets.Dataset` or a dict of arrays); plots use `raw`."""
+def _oracle_sl(ds, labels_cfg, h):
+    """DISCO App. A's oracle speculation length (each round drafts up to its first rejection under `labels_cfg`) and
+    SVIP Fig. 2 (bottom)'s round entropy vs accepted length: (summary, correlation, lengths, round entropies)."""
     from data_gen.labels import make_labels
 
-    labels_cfg = labels_cfg if labels_cfg is not None else OmegaConf.create({"name": "greedy_match"})
-    names = _names(ds)
-    need = ["position", "draft_token", "target_token", "q_draft", "p_draft", "tvd", "draft_entropy"]
-    missing = [c for c in need if c not in names]
-    if missing:
-        raise UserError(f"traces lack column(s) {missing}; regenerate them with this code's data_gen")
-    h = _col(ds, "draft_entropy").astype(np.float64)
-    q = _col(ds, "q_draft").astype(np.float64)
-    p = _col(ds, "p_draft").astype(np.float64)
-    tv = _col(ds, "tvd").astype(np.float64)
-    greedy = (_col(ds, "draft_token") == _col(ds, "target_token")).astype(np.float64)
-    accept_prob = np.minimum(1.0, p / np.maximum(q, 1e-30))
-    beta = 1.0 - tv
-    out: dict = {"rows": int(len(h)), "missing_columns": []}
-    raw: dict = {}
-
-    # SVIP Fig. 2 (top): entropy vs acceptance
-    acc = {"min(1,p/q)": accept_prob, "1-TVD": beta, "greedy match": greedy}
-    out["entropy_vs_acceptance"] = {name: _corr(h, y) for name, y in acc.items()}
-    out["entropy_binned"] = _binned_means(h, acc, bins) if len(h) else {}
-
-    # DISCO App. A oracle SL, and SVIP Fig. 2 (bottom): accepted length vs entropy per round
     accepted = make_labels(ds, labels_cfg) >= 0.5
     rounds = oracle_rounds(accepted, _starts(ds), h)
     lengths = rounds["length"]
-    out["oracle_sl"] = {
+    summary = {
         "labels": labels_cfg.name,
         "rounds": int(len(lengths)),
         "censored_rounds": int((~rounds["complete"]).sum()),
@@ -135,16 +114,13 @@ def trace_statistics(ds, labels_cfg: DictConfig | None = None, svip_c: float = 0
         "quantiles": {str(k): float(np.quantile(lengths, k)) for k in QUANTILES} if len(lengths) else {},
         "histogram": {int(k): int(v) for k, v in zip(*np.unique(lengths, return_counts=True))},
     }
-    out["round_entropy_vs_length"] = _corr(rounds["entropy"], lengths.astype(float)) if len(lengths) else {}
-    raw["round_length"], raw["round_entropy"] = lengths, rounds["entropy"]
+    corr = _corr(rounds["entropy"], lengths.astype(float)) if len(lengths) else {}
+    return summary, corr, lengths, rounds["entropy"]
 
-    # SVIP Fig. 3 and Fig. 4
-    est = 1.0 - np.sqrt(svip_c * h)
-    curves = {"actual 1-TVD": beta, f"entropy estimate 1-sqrt({svip_c:g}·H_q)": est}
-    bounds = {"c": svip_c, "actual_mean": float(beta.mean()) if len(beta) else math.nan,
-              "entropy_estimate_mean": float(est.mean()) if len(est) else math.nan,
-              "entropy_estimate_below_actual": float((est <= beta).mean()) if len(est) else math.nan,
-              "entropy_estimate_mae": float(np.abs(est - beta).mean()) if len(est) else math.nan}
+
+def _xent_bounds(ds, names, h, beta, out: dict, raw: dict, bounds: dict, curves: dict) -> None:
+    """SVIP Fig. 4: the cross-entropy ratio H_(q,p)/H_q and Pinsker's bound 1 − √(KL/2) on 1 − TVD, with the SVIP
+    constant c fitted from the ratio — from the trace column XENT where the traces have it (filled into the dicts)."""
     if XENT in names:
         hqp = _col(ds, XENT).astype(np.float64)
         ok = h > 1e-6
@@ -173,6 +149,44 @@ def trace_statistics(ds, labels_cfg: DictConfig | None = None, svip_c: float = 0
     else:
         out["missing_columns"].append(XENT)
         out["xent_ratio"] = {"note": f"needs trace column '{XENT}' = H_(q,p) = -sum q log p (nats)"}
+
+
+def trace_statistics(ds, labels_cfg: DictConfig | None = None, svip_c: float = 0.15, bins: int = 20) -> dict:
+    """All of item 2's numbers from trace columns (a `datasets.Dataset` or a dict of arrays); plots use `raw`."""
+
+    labels_cfg = labels_cfg if labels_cfg is not None else OmegaConf.create({"name": "greedy_match"})
+    names = _names(ds)
+    need = ["position", "draft_token", "target_token", "q_draft", "p_draft", "tvd", "draft_entropy"]
+    missing = [c for c in need if c not in names]
+    if missing:
+        raise UserError(f"traces lack column(s) {missing}; regenerate them with this code's data_gen")
+    h = _col(ds, "draft_entropy").astype(np.float64)
+    q = _col(ds, "q_draft").astype(np.float64)
+    p = _col(ds, "p_draft").astype(np.float64)
+    tv = _col(ds, "tvd").astype(np.float64)
+    greedy = (_col(ds, "draft_token") == _col(ds, "target_token")).astype(np.float64)
+    accept_prob = np.minimum(1.0, p / np.maximum(q, 1e-30))
+    beta = 1.0 - tv
+    out: dict = {"rows": int(len(h)), "missing_columns": []}
+    raw: dict = {}
+
+    # SVIP Fig. 2 (top): entropy vs acceptance
+    acc = {"min(1,p/q)": accept_prob, "1-TVD": beta, "greedy match": greedy}
+    out["entropy_vs_acceptance"] = {name: _corr(h, y) for name, y in acc.items()}
+    out["entropy_binned"] = _binned_means(h, acc, bins) if len(h) else {}
+
+    # DISCO App. A oracle SL, and SVIP Fig. 2 (bottom): accepted length vs entropy per round
+    out["oracle_sl"], out["round_entropy_vs_length"], lengths, round_entropy = _oracle_sl(ds, labels_cfg, h)
+    raw["round_length"], raw["round_entropy"] = lengths, round_entropy
+
+    # SVIP Fig. 3 and Fig. 4
+    est = 1.0 - np.sqrt(svip_c * h)
+    curves = {"actual 1-TVD": beta, f"entropy estimate 1-sqrt({svip_c:g}·H_q)": est}
+    bounds = {"c": svip_c, "actual_mean": float(beta.mean()) if len(beta) else math.nan,
+              "entropy_estimate_mean": float(est.mean()) if len(est) else math.nan,
+              "entropy_estimate_below_actual": float((est <= beta).mean()) if len(est) else math.nan,
+              "entropy_estimate_mae": float(np.abs(est - beta).mean()) if len(est) else math.nan}
+    _xent_bounds(ds, names, h, beta, out, raw, bounds, curves)
     out["acceptance_bounds"] = bounds
     raw["bound_curves"] = curves
     return {"stats": out, "raw": raw}
