@@ -38,22 +38,30 @@ def interleaved_median_us(fns: dict, repeats: int, warmup: int) -> dict:
     return {k: statistics.median(v) for k, v in ts.items()}
 
 
-def write_per_machine(out_dir, name: str, entry: dict, markdown, keep=None) -> None:
-    """Merge `entry` into <out_dir>/<name>.json, which holds one entry per machine (keyed by entry["machine"]; an
-    older entry stays where `keep(entry)` is true, all when `keep` is None), then write <name>.md as
-    `markdown(all entries)` gives its lines, and print them."""
+def write_result(out_dir, stem: str, result: dict, lines, key: str | None = None, keep=None,
+                 md_stem: str | None = None) -> dict:
+    """The one way a bench script writes its result: `<stem>.json` (the numbers) and `<md_stem or stem>.md` (its
+    table) under `out_dir` (relative: under the repository), each replaced atomically, and the table printed.
+
+    `key` (a machine's name, or machine and dtype): the json holds one entry per key, so runs on different CPUs
+    sit side by side; `result` replaces the entry under `key`, an older entry stays where `keep(entry)` is true
+    (all when `keep` is None), and `lines` is a function of all entries. Otherwise `lines` is the table's lines.
+    Returns what the json holds."""
     import json
 
+    from utils.files import read_json, write_text_atomic
+
     out = repo_path(out_dir)
-    path = out / f"{name}.json"
-    data = json.loads(path.read_text()) if path.is_file() else {}
-    data = {k: v for k, v in data.items() if keep is None or keep(v)}
-    data[entry["machine"]] = entry
-    out.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=1))
-    lines = markdown(data)
-    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    data = result
+    if key is not None:
+        old = read_json(out / f"{stem}.json") or {}
+        data = {k: v for k, v in old.items() if keep is None or keep(v)}
+        data[key] = result
+    table = lines(data) if callable(lines) else lines
+    write_text_atomic(out / f"{stem}.json", json.dumps(data, indent=1, default=str) + "\n")
+    write_text_atomic(out / f"{md_stem or stem}.md", "\n".join(table) + "\n")
+    print("\n".join(table))
+    return data
 
 
 def command(script: str) -> str:

@@ -20,10 +20,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from bench import command, repo_path
+from bench import command, repo_path, write_result
 from eval.bar import replay_bar
 from utils.cli import UserError, hydra_entry, run_stage
-from utils.files import write_result
 
 TRACES = "traces/smollm2_135m--mbpp--target_ar-t0-p1-n128-s0--"
 

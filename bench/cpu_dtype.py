@@ -10,13 +10,12 @@ the whole cost of a batch-1 decoding step, is an order of magnitude slower than 
 
 from __future__ import annotations
 
-import json
 import time
 
 import torch
 from omegaconf import DictConfig
 
-from bench import repo_path
+from bench import write_result
 from models.cost import machine
 from models.pair import cpu_has_native_bf16
 from utils.cli import hydra_entry
@@ -52,16 +51,20 @@ def run(cfg: DictConfig) -> None:
     entry = {"machine": name, "torch": torch.__version__, "threads": threads,
              "auto_resolves_to": "bfloat16" if cpu_has_native_bf16() else "float32",
              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows}
-    out = repo_path(cfg.out_dir) / "cpu_dtype.json"
-    saved = json.loads(out.read_text()) if out.is_file() else {}
-    saved[name] = entry
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(saved, indent=2))
-    print(f"{name}, {threads} thread(s): pair.dtype=auto → {entry['auto_resolves_to']}\n")
-    print("| product | rows | float32 µs | bfloat16 µs | bf16 / fp32 |\n|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['shape']} | {r['rows']} | {r['float32_us']:.0f} | {r['bfloat16_us']:.0f} | {r['bf16_over_fp32']:.1f} |")
-    print(f"\nwrote {out}")
+    write_result(cfg.out_dir, "cpu_dtype", entry, markdown, key=name)
+
+
+def markdown(entries: dict) -> list[str]:
+    """One table per machine: each product's µs in float32 and bfloat16, and what `auto` resolves to there."""
+    lines = []
+    for name, e in entries.items():
+        lines += [f"{name}, {e['threads']} thread(s), torch {e['torch']}, {e['date']}: pair.dtype=auto → "
+                  f"{e['auto_resolves_to']}", "", "| product | rows | float32 µs | bfloat16 µs | bf16 / fp32 |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {r['shape']} | {r['rows']} | {r['float32_us']:.0f} | {r['bfloat16_us']:.0f} | "
+                  f"{r['bf16_over_fp32']:.1f} |" for r in e["rows"]]
+        lines.append("")
+    return lines
 
 
 if __name__ == "__main__":

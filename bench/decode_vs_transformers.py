@@ -14,14 +14,13 @@ transformers_s, ratio = ours_s / transformers_s (≤ 1 means we are at least as 
 from __future__ import annotations
 
 import copy
-import json
 import platform
 import time
 
 import torch
 from omegaconf import DictConfig
 
-from bench import repo_path
+from bench import write_result
 from data_gen.prompts import load_prompts
 from decode.loop import autoregressive, speculative
 from decode.metrics import agreement
@@ -136,11 +135,9 @@ def run(cfg: DictConfig) -> None:
         "transformers": __import__("transformers").__version__,
         "per_prompt": rows,
     }
-    out = repo_path(cfg.out_dir) / "decode_vs_transformers.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(json.dumps({k: result[k] for k in ("ours_s", "transformers_s", "ratio", "outputs_match")}))
-    print(f"wrote {out}")
+    line = (f"ours {result['ours_s']:.2f} s vs transformers {result['transformers_s']:.2f} s: ratio "
+            f"{result['ratio']:.3f} (≤ 1: ours at least as fast), outputs match: {result['outputs_match']}")
+    write_result(cfg.out_dir, "decode_vs_transformers", result, [line])
 
 
 if __name__ == "__main__":

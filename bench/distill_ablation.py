@@ -24,9 +24,8 @@ from pathlib import Path
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from bench import command, repo_path
+from bench import command, repo_path, write_result
 from utils.cli import UserError, hydra_entry
-from utils.files import write_text_atomic
 
 METRICS = (("heldout_sum_min", "held-out Σmin(p,q)"), ("heldout_greedy_agree", "held-out greedy agreement"),
            ("heldout_text_sum_min", "WikiText-2 Σmin(p,q)"))
@@ -100,14 +99,9 @@ def run(cfg: DictConfig) -> dict:
     result = {"command": command("distill_ablation"), "responses": str(cfg.responses), "shards": int(cfg.shards),
               "steps": int(cfg.steps),
               "winner": winner, "variants": rows, "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    out = repo_path(cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(out / "distill_ablation.json", json.dumps(result, indent=1) + "\n")
-    md = (f"`{result['command']}` ({result['date_utc']}; {cfg.steps} steps each on the first {cfg.shards} shards, "
-          f"same seed)\n\n{table(rows)}\n\n"
-          f"Winner by held-out Σmin(p,q): **{winner}**.\n")
-    write_text_atomic(out / "distill_ablation.md", md)
-    print(md)
+    md = [f"`{result['command']}` ({result['date_utc']}; {cfg.steps} steps each on the first {cfg.shards} shards, "
+          "same seed)", "", table(rows), "", f"Winner by held-out Σmin(p,q): **{winner}**."]
+    write_result(cfg.out_dir, "distill_ablation", result, md)
     return result
 
 

@@ -31,7 +31,7 @@ import time
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from bench import command, repo_path
+from bench import command, repo_path, write_result
 from data_gen.prompts import load_prompts, render
 from models.cost import machine
 from models.pair import layer_subset, load_pair
@@ -231,12 +231,7 @@ def run(cfg: DictConfig) -> None:
         "command": command("distill_metrics"),
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "seconds": time.time() - t0,
     }
-    out = repo_path(cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{cfg.name}.json").write_text(json.dumps(result, indent=1, default=str))
-    lines = markdown(result, pair, code, text)
-    (out / f"{cfg.name}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_result(cfg.out_dir, cfg.name, result, markdown(result, pair, code, text))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ each side). Writes distill_throughput.{json,md} under out_dir.
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import tempfile
@@ -24,7 +23,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from bench import command, compose_stage, repo_path
+from bench import command, compose_stage, write_result
 from data_gen.traces import _left_pad
 from models.pair import load_pair
 from train import distill_data as dd
@@ -89,15 +88,11 @@ def run(cfg: DictConfig) -> None:
               "seconds_bare": [round(t, 2) for t, _ in bare], "torch_threads": torch.get_num_threads(),
               "cpu": platform.processor() or platform.machine(), "load_avg_1min": round(os.getloadavg()[0], 2),
               "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    out = repo_path(cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "distill_throughput.json").write_text(json.dumps(result, indent=1) + "\n")
     line = (f"| distillation data | {result['pair']} {result['dtype']} {result['device']}, {len(prompts)} prompts × "
             f"T {result['temperatures']}, ≤{cfg.max_new_tokens} new tokens, batch {cfg.batch_size}, "
             f"{result['torch_threads']} threads, {result['cpu']} | ours {result['positions_per_s_ours']} pos/s vs bare "
             f"{result['positions_per_s_bare']} pos/s | ratio {result['ratio']} |")
-    (out / "distill_throughput.md").write_text(f"`{result['command']}` ({result['date_utc']})\n\n{line}\n")
-    print(line)
+    write_result(cfg.out_dir, "distill_throughput", result, [f"`{result['command']}` ({result['date_utc']})", "", line])
 
 
 if __name__ == "__main__":

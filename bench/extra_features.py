@@ -34,7 +34,7 @@ from sklearn.ensemble import HistGradientBoostingClassifier
 from sklearn.metrics import roc_auc_score
 from tqdm import tqdm
 
-from bench import REPO, command, repo_path
+from bench import REPO, command, repo_path, write_result
 from data_gen.traces import _forward, _head
 from eval.continuations import load_greedy_traces
 from models.distributions import draft_probs
@@ -43,7 +43,6 @@ from models.features.spec import FeatureSpec, features_from_columns, needed_colu
 from models.features.trace import continuation_starts, trace_round_positions
 from models.pair import load_pair
 from utils.cli import UserError, hydra_entry
-from utils.files import write_result
 
 TRACES = REPO / "traces" / "smollm2_135m--mbpp--target_ar-t0-p1-n128-s0--"  # the heads' traces (results/stop_heads)
 SPEC = FeatureSpec("disco_plus", groups=("verify", "copy", "token"))

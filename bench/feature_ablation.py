@@ -23,9 +23,8 @@ from omegaconf import DictConfig
 from sklearn.ensemble import HistGradientBoostingClassifier
 from sklearn.metrics import roc_auc_score
 
-from bench import command, repo_path
+from bench import command, repo_path, write_result
 from utils.cli import UserError, hydra_entry
-from utils.files import write_result
 
 SETS = {"DISCO": [], "+verify": ["verify"], "+copy": ["copy"], "+token": ["token"], "all": ["verify", "copy", "token"]}
 N_IDS = 250

@@ -17,7 +17,7 @@ import time
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from bench import interleaved_median_us, write_per_machine
+from bench import interleaved_median_us, write_result
 from models.cost import DEFAULTS, machine, measure
 from models.lm_head import PackedLinear
 from utils.cli import hydra_entry
@@ -88,7 +88,7 @@ def run(cfg: DictConfig) -> None:
                              for d in (torch.float32, torch.bfloat16)},
              "target_curve": curves(cfg.pair, max(cfg.repeats // 2, 10))}
     # entries of the older format (W @ hᵀ) are dropped
-    write_per_machine(cfg.out_dir, "head_gemm", entry, markdown, keep=lambda e: "products_us" in e)
+    write_result(cfg.out_dir, "head_gemm", entry, markdown, key=entry["machine"], keep=lambda e: "products_us" in e)
 
 
 if __name__ == "__main__":

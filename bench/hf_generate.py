@@ -21,14 +21,13 @@ the same tokens as target-only generate(). Writes <out_dir>/summary.md and <out_
 from __future__ import annotations
 
 import copy
-import json
 import time
 
 import torch
 import transformers
 from omegaconf import DictConfig, OmegaConf
 
-from bench import command, repo_path
+from bench import command, repo_path, write_result
 from data_gen.prompts import load_prompts
 from decode.hf import HFAssisted
 from decode.hf_generate import stop_policy_generator
@@ -187,12 +186,7 @@ def write(cfg: DictConfig, pair, summary: dict, ours: Ours, n_prompts: int) -> N
            "config": {**{k: v for k, v in about.items() if k not in ("machine", "dtype", "date")},
                       "pair": pair.pair_id, "policy": ours.hook.policy.describe()},
            "methods": summary}
-    out = repo_path(cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.md").write_text(markdown(summary, about))
-    (out / "bar.json").write_text(json.dumps(bar, indent=1, default=str))
-    print(markdown(summary, about))
-    print(f"wrote {out / 'summary.md'} and {out / 'bar.json'}")
+    write_result(cfg.out_dir, "bar", bar, markdown(summary, about).rstrip("\n").split("\n"), md_stem="summary")
 
 
 if __name__ == "__main__":

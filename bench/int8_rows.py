@@ -20,7 +20,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 import models.lm_head as lm_head
-from bench import command, interleaved_median_us, write_per_machine
+from bench import command, interleaved_median_us, write_result
 from models.cost import DEFAULTS, machine, measure
 from utils.cli import UserError, hydra_entry
 
@@ -98,7 +98,7 @@ def run(cfg: DictConfig) -> None:
     pair_cfg = OmegaConf.merge(cfg.pair, {"dtype": "bfloat16"})
     entry["profile_threads"] = torch.get_num_threads()
     entry["profile"] = profiles(pair_cfg, int(cfg.profile_repeats))
-    write_per_machine(cfg.out_dir, "int8_rows", entry, markdown)
+    write_result(cfg.out_dir, "int8_rows", entry, markdown, key=entry["machine"])
 
 
 if __name__ == "__main__":

@@ -21,9 +21,8 @@ import time
 
 from omegaconf import DictConfig
 
-from bench import command, repo_path
+from bench import command, repo_path, write_result
 from utils.cli import UserError, hydra_entry, run_stage
-from utils.files import write_result
 
 TRACES = "traces/smollm2_135m--mbpp--target_ar-t0-p1-n128-s0--"
 VARIANTS = {

@@ -11,14 +11,13 @@ dtype) and lean_forward.md.
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from bench import repo_path
+from bench import write_result
 from models.cost import machine
 from models.lm import LM
 from models.pair import load_pair
@@ -69,12 +68,10 @@ def run(cfg: DictConfig) -> None:
     rows = measure(pair, cfg.repeats)
     entry = {"machine": machine(), "dtype": dtype, "threads": cfg.threads, "pair": str(cfg.pair.name), "context": CONTEXT,
              "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "calls": rows}
-    out = repo_path(cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "lean_forward.json"
-    data = json.loads(path.read_text()) if path.exists() else {}
-    data[f"{entry['machine']} · {dtype}"] = entry
-    path.write_text(json.dumps(data, indent=1))
+    write_result(cfg.out_dir, "lean_forward", entry, markdown, key=f"{entry['machine']} · {dtype}")
+
+
+def markdown(data: dict) -> list[str]:
     lines = ["# transformers' forward vs models.lean, per decoder call (`python -m bench.lean_forward`)", ""]
     for key, e in data.items():
         lines += [f"## {key} · {e['threads']} threads · {e['pair']} · torch {e['torch']} · {e['date']}", "",
@@ -82,8 +79,7 @@ def run(cfg: DictConfig) -> None:
         lines += [f"| {name} | {r['transformers_ms']:.2f} | {r['lean_ms']:.2f} | {r['ratio']:.2f} | {r['max_logit_diff']:g} |"
                   for name, r in e["calls"].items()]
         lines.append("")
-    (out / "lean_forward.md").write_text("\n".join(lines))
-    print("\n".join(lines))
+    return lines
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ Writes results/bench/small_ops.json (one entry per machine) and small_ops.md; µ
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 
@@ -27,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
 
-from bench import interleaved_median_us, repo_path
+from bench import interleaved_median_us, write_result
 from models.cost import machine
 from models.lm import LM
 from models.pair import load_pair
@@ -124,14 +123,8 @@ def run(cfg: DictConfig) -> None:
                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                  "argmax": argmax_times(cfg.repeats), "attention": attention_times(cfg.repeats),
                  "draft_step": draft_step(cfg.pair)}
-    out = repo_path(cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "small_ops.json"
-    runs = json.loads(path.read_text()) if path.exists() else {}
-    runs[entry["machine"]] = entry
-    path.write_text(json.dumps(runs, indent=1) + "\n")
-    (out / "small_ops.md").write_text(markdown(entry))
-    print(markdown(entry))
+    write_result(cfg.out_dir, "small_ops", entry, lambda runs: markdown(entry).rstrip("\n").split("\n"),
+                 key=entry["machine"])
 
 
 if __name__ == "__main__":

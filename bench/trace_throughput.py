@@ -13,7 +13,6 @@ a Markdown line to results/bench/trace_throughput.md.
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import tempfile
@@ -22,7 +21,7 @@ import time
 import torch
 from omegaconf import DictConfig, open_dict
 
-from bench import compose_stage, repo_path
+from bench import compose_stage, write_result
 from data_gen.prompts import load_prompts, render
 from data_gen.run import generate
 from data_gen.store import load_traces
@@ -113,17 +112,12 @@ def run(cfg: DictConfig) -> None:
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     result["pass"] = result["ratio"] >= BAR
-    out = repo_path(cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "trace_throughput.json").write_text(json.dumps(result, indent=1) + "\n")
     line = (
         f"| trace throughput | {result['pair']} {result['dtype']} {result['device']}, {a['prompts']} MBPP prompts, "
         f"{a['max_new_tokens']} new tokens, batch {a['batch_size']} | data_gen {result['positions_per_s_ours']} pos/s vs bare "
         f"{result['positions_per_s_bare']} pos/s | ratio {result['ratio']} (bar ≥ {BAR}: {'pass' if result['pass'] else 'FAIL'}) |"
     )
-    (out / "trace_throughput.md").write_text(line + "\n")
-    print(json.dumps(result, indent=1))
-    print(line)
+    write_result(cfg.out_dir, "trace_throughput", result, [line])
 
 
 if __name__ == "__main__":

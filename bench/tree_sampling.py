@@ -15,18 +15,16 @@ at this N is not run (—). Writes tree_sampling.{json,md}.
 
 from __future__ import annotations
 
-import json
 import time
 from collections import Counter
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from scipy.stats import chisquare
 from tqdm.auto import tqdm
 
-from bench import command, compose_stage, repo_path
+from bench import command, compose_stage, write_result
 from utils.cli import UserError, hydra_entry
-from utils.files import write_text_atomic
 
 
 def target_law(pair, ids: list[int], temperature: float, firsts) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
@@ -120,9 +118,6 @@ def run(cfg: DictConfig) -> dict:
               "temperature": temp, "dataset": str(cfg.dataset), "split": str(cfg.split), "p_floor": floor,
               "tests": tests, "pass": bool(tests) and all(p > floor for p in pvals), "rows": rows,
               "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    out = repo_path(cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(out / "tree_sampling.json", json.dumps(result, indent=1) + "\n")
     lines = [f"`{result['command']}` ({result['date_utc']}; {result['pair']} {result['dtype']}, T = {temp}, "
              f"{n} samples per prompt and builder)", "",
              "| prompt | builder | nodes verified (round 1) | χ² x1 (dof) | p x1 | χ² (x1, x2) (dof) | p (x1, x2) |",
@@ -133,8 +128,7 @@ def run(cfg: DictConfig) -> dict:
         lines.append(f"| {r['prompt']} | {r['builder']} | {r['verified_nodes_first_round']:.2f} | "
                      + " | ".join((*cell(a), *cell(b))) + " |")
     lines += ["", f"Every p-value above {floor:.1e} (1e-3 / {tests} tests): **{'pass' if result['pass'] else 'FAIL'}**."]
-    write_text_atomic(out / "tree_sampling.md", "\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_result(cfg.out_dir, "tree_sampling", result, lines)
     return result
 
 

@@ -32,7 +32,7 @@ class ExpectedValueRule:
 
     def stop(self, a: float, a_next: float | None = None) -> bool:
         """After a drafted token with P(accept) = a: stop drafting? `a_next`: an estimate of the next token's
-        P(accept) if one exists (bench/stop_rule_probe.py tries a next-token head); by default a itself."""
+        P(accept) if one exists (a next-token head was tried: docs/findings.md); by default a itself."""
         self.k += 1
         self.survive *= a
         self.expected += self.survive

@@ -17,8 +17,8 @@ from utils.cli import CONF_DIR, known_names
 SCRIPTS = sorted(p.stem for p in (REPO / "bench").glob("*.py") if p.stem != "__init__")
 # the stop-head probes write beside the study they extend; the measurements moved from bench/results/ write one tree
 STOP_HEADS = {"cost_sweep", "extra_features", "feature_ablation", "label_variants"}
-RESULTS_BENCH = {"cpu_dtype", "decode_vs_transformers", "distill_metrics", "head_features", "head_gemm", "int8_rows",
-                 "lean_forward", "small_ops", "stop_rule_probe", "trace_throughput", "tree_sampling"}
+RESULTS_BENCH = {"cpu_dtype", "decode_vs_transformers", "distill_metrics", "head_gemm", "int8_rows",
+                 "lean_forward", "small_ops", "trace_throughput", "tree_sampling"}
 
 
 def compose_bench(script: str, *overrides: str):

@@ -225,25 +225,3 @@ def test_train_and_eval_a_node_head(kind, tree_traces, close_pair, tmp_path):
     md = (out / "report.md").read_text()
     assert "| joint probability | q(token) |" in md and "depth − 1" in md
     assert (out / "roc.png").is_file() and json.loads((out / "report.json").read_text())["kind"] == kind
-
-
-def test_the_lookahead_probe_reads_each_nodes_children(tree_traces):
-    """bench.tree_node_signals' lookahead of a node is the distribution after it, which the trace stores on its
-    children (their parent-distribution columns); a node the draft never ran on has none."""
-    from bench.tree_node_signals import tree_probe_rows
-    from data_gen.contract import trace_columns
-    from data_gen.store import load_traces
-
-    folder = next(tree_traces.glob("*--test-*"))
-    spec = FeatureSpec("tree_node", k=3)
-    rows = tree_probe_rows(folder, spec)
-    cols = trace_columns(load_traces(folder)[0], ["parent", "draft_entropy", "draft_topk"])
-    par = rows["par"]
-    assert len(par) == len(cols["parent"]) and 0 < rows["look"][:, 0].sum() < len(par)
-    assert rows["node"].shape == (len(par), spec.dim)  # the head's own row (from_columns)
-    for j in np.flatnonzero(cols["parent"] >= 0):
-        assert rows["look"][par[j], 0] == 1.0
-        assert rows["look"][par[j], 1] == pytest.approx(float(cols["draft_entropy"][j]))
-        assert rows["look"][par[j], 2] == pytest.approx(float(cols["draft_topk"][j, 0]))
-    leaves = np.setdiff1d(np.arange(len(par)), par[cols["parent"] >= 0])
-    assert (rows["look"][leaves, 0] == 0).all() and (rows["look"][leaves, 1] == -1).all()

@@ -166,29 +166,6 @@ def test_cli_refuses_a_training_experiment(cli):
         r.stderr.strip().splitlines()[-1]] and "trains a head" in r.stderr
 
 
-def test_head_features_bench(traces, tmp_path):
-    """bench.head_features on tiny traces: one AUROC per feature set, the baselines recomputed independently."""
-    from sklearn.metrics import roc_auc_score
-
-    from bench import head_features as mod
-    from data_gen.store import load_traces
-
-    mod.run(cfg_of("bench/head_features", f"train=[{traces['validation']}]", f"test={traces['test']}",
-                   f"out_dir={tmp_path}"))
-    res = json.loads((tmp_path / "head_features.json").read_text())
-    assert set(res["train"][0]["auroc"]) == set(mod.SETS)
-    assert all(0.0 <= a <= 1.0 for a in res["train"][0]["auroc"].values())
-    cols = load_traces(traces["test"])[0].with_format("numpy")[:]
-    y = np.asarray(cols["draft_token"]) == np.asarray(cols["target_token"])
-    assert res["baselines"]["max_q"] == pytest.approx(roc_auc_score(y, np.stack(cols["draft_topk"])[:, 0]))
-    with pytest.raises(UserError, match="greedy"):  # sampled traces: refused in one line, nothing written
-        mod.run(cfg_of("bench/head_features", f"train={traces['sampled']}", f"test={traces['test']}",
-                       f"out_dir={tmp_path / 'x'}"))
-    assert not (tmp_path / "x").exists()
-    with pytest.raises(UserError, match="train=TRACES"):
-        mod.run(cfg_of("bench/head_features", f"out_dir={tmp_path / 'x'}"))
-
-
 def test_replay_logger_wandb_offline_run_holds_the_table(tmp_path):
     """eval.replay with logger=wandb: what run() hands to decode.wandb_log (its replay.json dict) lands in an offline
     run under replay.out_dir as the replay table and the synthetic-head curve."""

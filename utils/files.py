@@ -71,10 +71,9 @@ def json_text(obj, indent: int = 1) -> str:
     return re.sub(rf"\[\s*{number}(?:,\s*{number})*\s*\]", one_line, json.dumps(obj, indent=indent)) + "\n"
 
 
-def write_result(out_dir: Path, stem: str, result: dict, lines: list[str]) -> None:
-    """A benchmark's `<stem>.json` (the numbers) and `<stem>.md` (its table) in `out_dir`, and the table printed."""
+def read_json(path: Path):
+    """A json file's contents, or None when there is no such file."""
     import json
 
-    write_text_atomic(Path(out_dir) / f"{stem}.json", json.dumps(result, indent=1) + "\n")
-    write_text_atomic(Path(out_dir) / f"{stem}.md", "\n".join(lines) + "\n")
-    print("\n".join(lines))
+    path = Path(path)
+    return json.loads(path.read_text()) if path.is_file() else None
