@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from utils.files import jsonl_text, write_text_atomic
+from utils.files import write_jsonl, write_text_atomic
 
 
 def _fmt(v, digits=3):
@@ -151,7 +151,7 @@ def write_outputs(out_dir: Path, summary: dict, rows: list[dict], run_info: dict
     if by_task:
         write_text_atomic(out_dir / f"{prefix}by_task.json", json.dumps(by_task, indent=2))
         write_text_atomic(out_dir / f"{prefix}by_task.md", task_table(by_task, title))
-    write_text_atomic(out_dir / f"{prefix}prompts.jsonl", jsonl_text(compact_rows(rows)))
+    write_jsonl(out_dir / f"{prefix}prompts.jsonl", compact_rows(rows))
     write_text_atomic(out_dir / f"{prefix}run.json", json.dumps(run_info, indent=2))
     write_text_atomic(out_dir / f"{prefix}summary.md", markdown_table(summary, title))
     if make_plots:

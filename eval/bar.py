@@ -32,6 +32,7 @@ from omegaconf import DictConfig
 
 from decode.metrics import oracle_gap_closed
 from utils.cli import UserError, hydra_entry
+from utils.files import jsonl_path, read_jsonl
 from utils.stats import bootstrap_ci
 
 
@@ -56,11 +57,10 @@ def is_training_free(key: str) -> bool:
 
 def per_prompt(path: Path, methods: list[str], fields: tuple[str, ...]) -> tuple[list[str], dict]:
     """{method: {field: array over prompts}} from a prompts.jsonl, on the prompts every listed method has."""
-    if not path.is_file():
+    if jsonl_path(path) is None:
         raise UserError(f"{path} is missing; rerun the replay / decode that made its folder")
     rows: dict[str, dict[str, dict]] = {m: {} for m in methods}
-    for line in path.read_text().splitlines():
-        r = json.loads(line)
+    for r in read_jsonl(path):
         if r["method"] in rows:
             rows[r["method"]][str(r["prompt_id"])] = r
     ids = sorted(set.intersection(*(set(v) for v in rows.values())))

@@ -22,6 +22,7 @@ from pathlib import Path
 from decode.metrics import per_position
 from eval.theory import speedup_curve
 from utils.cli import UserError, fail
+from utils.files import read_jsonl
 
 KEY = re.compile(r"^(?P<name>[^\[]+)\[k=(?P<k>\d+)\]$")
 
@@ -35,8 +36,7 @@ def analyse(run_dir: Path) -> dict:
     if not sweep:
         raise UserError(f"{summary_path} has no `<policy>[k=K]` rows; it must come from decode mode=sweep over k")
     rounds = []
-    for line in (run_dir / "prompts.jsonl").read_text().splitlines():
-        row = json.loads(line)
+    for row in read_jsonl(run_dir / "prompts.jsonl"):
         if row["method"] in sweep.values():
             rounds += [tuple(r) for r in row["rounds"]]
     verified, accepted = per_position(rounds)

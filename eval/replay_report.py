@@ -9,7 +9,7 @@ from pathlib import Path
 from decode import wandb_log
 from decode.metrics import oracle_gap_closed
 from utils.cli import output_dir
-from utils.files import jsonl_text
+from utils.files import write_jsonl
 
 
 def markdown(result: dict) -> str:
@@ -118,7 +118,7 @@ def write_outputs(result: dict, table: dict, chosen: list, rc, synthetic: bool) 
     per_prompt = {k: r.pop("per_prompt") for k, r in table.items() if "per_prompt" in r}
     (out / "replay.json").write_text(json.dumps(result, indent=1) + "\n")
     # one row per (method, eval continuation): what eval.bar's paired bootstrap resamples
-    (out / "prompts.jsonl").write_text(jsonl_text(
+    write_jsonl(out / "prompts.jsonl", (
         {"method": key, "prompt_id": pid, "new_tokens": pp["new_tokens"][i], "cost_ms": pp["cost_ms"][i],
          "target_cost_ms": pp["target_cost_ms"][i]}
         for key, pp in per_prompt.items() for i, pid in enumerate(pp["prompt_id"])))

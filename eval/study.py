@@ -31,6 +31,7 @@ from pathlib import Path
 
 from eval.staleness import records, stale_line
 from utils.cli import UserError, fail
+from utils.files import jsonl_path, read_jsonl
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -172,8 +173,7 @@ def headline(results: Path, study: Study | None = None) -> str:
     if not ((wall / "summary.json").is_file() and bar_path.is_file()):
         return "No results yet: run the commands of results/README.md, then `python -m eval.study`.\n"
     summary, run, bar = _load(wall / "summary.json"), _load(wall / "run.json"), _load(bar_path)
-    rows = [json.loads(x) for x in (wall / "prompts.jsonl").read_text().splitlines()] \
-        if (wall / "prompts.jsonl").is_file() else []
+    rows = read_jsonl(wall / "prompts.jsonl") if jsonl_path(wall / "prompts.jsonl") else []
     cost = bar["replay"]["speedup"]
     keys = [k for k in summary if k != "target"]
     ci = speedup_intervals(rows, keys)
@@ -288,8 +288,8 @@ def redraw(results: Path) -> list[Path]:
     done = []
     for s in sorted(results.rglob("summary.json")):
         d = s.parent
-        if (d / "prompts.jsonl").is_file() and (d / "run.json").is_file():
-            rows = [json.loads(x) for x in (d / "prompts.jsonl").read_text().splitlines()]
+        if jsonl_path(d / "prompts.jsonl") and (d / "run.json").is_file():
+            rows = read_jsonl(d / "prompts.jsonl")
             plots(json.loads(s.read_text()), rows, d)
             done.append(d)
     return done

@@ -30,7 +30,7 @@ import numpy as np
 from omegaconf import DictConfig
 
 from utils.cli import UserError, hydra_entry
-from utils.files import write_text_atomic
+from utils.files import jsonl_path, write_text_atomic
 
 MAKES = {  # the command that makes each input (in the error line and, where the file records none, in `sources`)
     "sweep": "python -m eval.tree_sweep traces=<MBPP test tree traces> learned=CKPT c2t=CKPT prompts=500 "
@@ -105,7 +105,7 @@ def wall_part(summary: dict, folder: Path, resamples: int) -> tuple[dict, list[s
            "speedup": {k: summary[k]["speedup"] for k in classes}, "machine": run.get("machine"),
            "oracle": "excluded from best_chain: it reads the target's output (an upper bound, not a method)"}
     notes = []
-    if (folder / "prompts.jsonl").is_file():
+    if jsonl_path(folder / "prompts.jsonl"):
         from utils.stats import bootstrap_ci
 
         ids, pp = per_prompt(folder / "prompts.jsonl", [tree, chain], ("new_tokens", "wall_s"))

@@ -9,6 +9,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from utils.cli import UserError
+from utils.files import jsonl_path, read_jsonl
 
 
 def write_rows(path, rows):
@@ -87,8 +88,9 @@ def test_carry_over_per_group(folders, tmp_path, monkeypatch):
     rep, _, _, _ = folders
     carry = tmp_path / "specbench"
     carry.mkdir()
-    rows = [json.loads(x) for x in (rep / "prompts.jsonl").read_text().splitlines()]
-    (carry / "prompts.jsonl").write_text((rep / "prompts.jsonl").read_text())
+    rows = read_jsonl(rep / "prompts.jsonl")
+    src = jsonl_path(rep / "prompts.jsonl")
+    (carry / src.name).write_bytes(src.read_bytes())
     (carry / "replay.json").write_text(json.dumps({"eval": json.loads((rep / "replay.json").read_text())["eval"],
                                                    "settings": {"tune": "mbpp-val", "eval": "traces/sb"}}))
     monkeypatch.setattr(bar, "prompt_groups", lambda folder: {f"p{i}": "qa" if i < 10 else "math" for i in range(40)})

@@ -18,6 +18,7 @@ from decode.learned import Learned, Sprinter
 from decode.policies import StopPolicy, build_policy
 from models.distributions import draft_probs, entropy, topk_probs
 from models.features.spec import FeatureSpec
+from utils.files import read_jsonl
 
 PROMPTS = ["def add(a, b):\n    return", "The quick brown fox", "x = [i * i for i in range(10)]\nprint("]
 
@@ -204,7 +205,7 @@ def test_cli_summary(cli, tmp_path, tiny_pair):
         assert key in summary["svip"]
     assert all(summary[k]["lossless"] is True for k in ("constant", "svip", "oracle", "learned"))
     assert summary["oracle"]["oracle"] is True
-    rows = [json.loads(line) for line in (out / "prompts.jsonl").read_text().splitlines()]
+    rows = read_jsonl(out / "prompts.jsonl")
     assert len(rows) == 2 * 5
     # lossless outputs are stored once, on the target's row
     assert all("tokens" in r and "text" in r for r in rows if r["method"] == "target")
@@ -513,8 +514,7 @@ def test_k_sweep_analysis(tmp_path, tiny_pair):
     main(compose("mode=sweep", "policies=[static_opt]", "tune.grid.static_opt.k=[1,2,4]", f"out_dir={out}"))
     res = analyse(out)
     assert [r["k"] for r in res["rows"]] == [1, 2, 4]
-    rounds = [tuple(x) for line in (out / "prompts.jsonl").read_text().splitlines()
-              for x in json.loads(line)["rounds"]]
+    rounds = [tuple(x) for row in read_jsonl(out / "prompts.jsonl") for x in row["rounds"]]
     v, a = per_position(rounds)
     assert res["alpha"] == pytest.approx(sum(a) / sum(v))
     assert res["rows"][1]["predicted_leviathan"] == pytest.approx(improvement_factor(res["alpha"], 2, res["c"]))

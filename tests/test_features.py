@@ -10,6 +10,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from tests.conftest import REPO
+from utils.files import read_jsonl
 
 N_PROMPTS, NEW = 3, 24
 
@@ -220,7 +221,7 @@ def test_disco_plus_trains_calibrates_and_decodes_losslessly(tmp_path, tiny_pair
     assert (pol.rule is not None) == (sr["rule"] == "expected_value")
     assert sr["rule"] == "expected_value" or pol.threshold == pytest.approx(sr["threshold"])
     conts, _, _ = load_continuations(next((tmp_path / "traces").glob("*--test*")))
-    rows = [json.loads(line) for line in (out / "prompts.jsonl").read_text().splitlines()]
+    rows = read_jsonl(out / "prompts.jsonl")
     decoded = [[tuple(r) for r in row["rounds"]] for row in rows if row["method"].startswith("learned")]
     assert len(decoded) == len(conts) == 3
     exact = 0

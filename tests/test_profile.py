@@ -18,6 +18,7 @@ from decode.policies import build_policy
 from models.cost import CostProfile, get_profile, modeled_ms
 from models.lm_head import packed_available, packed_bf16_available
 from models.distributions import draft_probs
+from utils.files import read_jsonl
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -161,7 +162,7 @@ def test_decode_run_json_carries_the_profile(cli, tmp_path):
     assert len(prof["target_ms"]) == 5 and prof["key"]["pair"] == "tiny_random"
     summary = json.loads((out / "summary.json").read_text())
     assert summary["constant"]["cost_model_speedup"] > 0
-    rows = [json.loads(x) for x in (out / "prompts.jsonl").read_text().splitlines()]
+    rows = read_jsonl(out / "prompts.jsonl")
     assert all(r["prompt_tokens"] > 0 for r in rows)
 
 

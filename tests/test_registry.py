@@ -17,6 +17,7 @@ from models.features.signals import DraftStep
 from models.features.spec import FeatureSpec, feature_kinds
 from models.heads import build_head, head_family, head_kinds
 from tests.conftest import REPO
+from utils.files import read_jsonl
 from utils import discover
 from utils.cli import UserError, open_overrides
 
@@ -223,7 +224,7 @@ def test_user_policy_decodes_by_name(conf_dir, tmp_path, tiny_pair):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["floored"]["params"] == {"name": "floored", "max_len": 6, "floor": 0.2, "min_len": 2}
     assert summary["floored"]["lossless"] is True and summary["floored"]["oracle"] is False
-    rows = [r for r in map(json.loads, (out / "prompts.jsonl").read_text().splitlines()) if r["method"] == "floored"]
+    rows = [r for r in read_jsonl(out / "prompts.jsonl") if r["method"] == "floored"]
     for r in rows:  # min_len and max_len hold wherever the token budget (12) leaves room for them
         done = 0
         for k, n in r["rounds"]:

@@ -11,6 +11,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from tests.conftest import REPO
+from utils.files import read_jsonl
 from utils.cli import UserError
 
 N_PROMPTS, NEW = 3, 16
@@ -50,7 +51,7 @@ def test_rounds_equal_decoding(traces, tiny_pair, tmp_path):
     decode(cfg_of("decode", "pair=tiny_random", "dataset=mbpp", "split=test", f"limit={N_PROMPTS}",
                   f"max_new_tokens={NEW}", "plots=false", "warmup=false", "++policy.constant.k=3", "++policy.svip.h=0.9",
                   "++policy.max_confidence.lam=0.2", f"policies=[{','.join(params)}]", f"out_dir={tmp_path}"))
-    rows = [json.loads(line) for line in (tmp_path / "prompts.jsonl").read_text().splitlines()]
+    rows = read_jsonl(tmp_path / "prompts.jsonl")
     conts, _, _ = load_continuations(traces["test"])
     assert len(conts) == N_PROMPTS
     past = 0

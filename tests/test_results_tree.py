@@ -3,10 +3,9 @@
 Every file under results/ belongs to a section of conf/study.yaml (eval.study's manifest) whose commands name modules
 that exist, and is a file one of those modules writes: its name appears in the writer's source (WRITERS), or the
 command names the file's path. Folders other commands fill (conf/study.yaml `elsewhere`: the bench scripts) pass when
-a bench script writing into them names the file. No version-suffixed or rerun folders, no checkpoints, at most 7 MiB
-(6 until 2026-11-28: the token-tree wall runs' per-prompt rows, whose round sizes and tree levels are what a check of
-the cost model against the clock reads, are ~0.9 MiB each). results/README.md and README.md's results block are
-exactly what `python -m eval.study` writes from the files, and every shipped head carries the command that made it.
+a bench script writing into them names the file. No version-suffixed or rerun folders, no checkpoints, at most 6 MiB
+(per-prompt rows are stored gzip-compressed, utils.files.write_jsonl: the wall runs' rows were ~0.9 MiB each).
+results/README.md and README.md's results block are exactly what `python -m eval.study` writes from the files, and every shipped head carries the command that made it.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
+from utils.files import read_jsonl
 
 RESULTS = REPO / "results"
 
@@ -58,7 +58,9 @@ def module_file(mod: str) -> Path | None:
 
 
 def source_names(sources, name: str) -> bool:
-    """Whether the writer's sources name the file (a `tune_` file: decode's prefix plus the base name)."""
+    """Whether the writer's sources name the file (a `tune_` file: decode's prefix plus the base name; rows
+    written by utils.files.write_jsonl by the name they are read by, without its '.gz')."""
+    name = name.removesuffix(".gz")
     text = "\n".join((REPO / s).read_text() for s in sources)
     if name.startswith("tune_") and name != "tuned.json":
         return 'prefix="tune_"' in text and name.removeprefix("tune_") in text
@@ -81,7 +83,7 @@ def written_by_section(rel: str, sec) -> bool:
         for mod in modules(command):
             if mod.startswith("bench.") and bench_names(name, mod.removeprefix("bench.")):
                 return True
-            if any(mod == m and name in names and source_names(src, name) for m, src, names in WRITERS):
+            if any(mod == m and name.removesuffix(".gz") in names and source_names(src, name) for m, src, names in WRITERS):
                 return True
     return False
 
@@ -150,7 +152,7 @@ def test_no_superseded_runs_or_checkpoints_and_small():
                                    for pat in ("*_v[0-9]*", "*_rerun*", "*.ckpt", "*.pt", "*.safetensors"))]
     assert bad == []
     size = sum((RESULTS / f).stat().st_size for f in files)
-    assert size <= 7 * 2**20, f"results/ holds {size / 2**20:.1f} MiB; keep it under 7 MiB"
+    assert size <= 6 * 2**20, f"results/ holds {size / 2**20:.1f} MiB; keep it under 6 MiB"
 
 
 def test_json_text_puts_number_lists_on_one_line_and_round_trips():
@@ -202,7 +204,7 @@ def test_speedup_plot_intervals_contain_the_table_speedup(name):
 
     d = RESULTS / name
     summary = json.loads((d / "summary.json").read_text())
-    rows = [json.loads(x) for x in (d / "prompts.jsonl").read_text().splitlines()]
+    rows = read_jsonl(d / "prompts.jsonl")
     keys = [k for k in summary if k != "target"]
     ci = speedup_intervals(rows, keys, n_resamples=500)
     assert set(ci) == set(keys)

@@ -77,3 +77,38 @@ def read_json(path: Path):
 
     path = Path(path)
     return json.loads(path.read_text()) if path.is_file() else None
+
+
+def write_jsonl(path: Path, rows, digits: int = 6) -> Path:
+    """Per-prompt rows (`jsonl_text`) gzip-compressed at `path` + '.gz' — a decode or replay folder's prompts.jsonl,
+    the bulk of results/ (a tenth of the bytes compressed). Deterministic: no name or time in the gzip header, so a
+    rerun with the same rows writes the same bytes."""
+    return write_gz_text(Path(str(path) + ".gz"), jsonl_text(rows, digits))
+
+
+def write_gz_text(path: Path, text: str) -> Path:
+    import gzip
+
+    return atomic_write(path, lambda tmp: tmp.write_bytes(gzip.compress(text.encode("utf-8"), 9, mtime=0)))
+
+
+def jsonl_path(path: Path) -> Path | None:
+    """Where rows written as `path` (`write_jsonl`) are: `path` + '.gz', or `path` itself (written before rows were
+    compressed); None when neither exists."""
+    for p in (Path(str(path) + ".gz"), Path(path)):
+        if p.is_file():
+            return p
+    return None
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The rows `write_jsonl` wrote as `path` (compressed, or an older plain file); a FileNotFoundError when there
+    are none."""
+    import gzip
+    import json
+
+    found = jsonl_path(path)
+    if found is None:
+        raise FileNotFoundError(f"no {path} (or {path}.gz)")
+    text = gzip.decompress(found.read_bytes()).decode("utf-8") if found.suffix == ".gz" else found.read_text()
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
