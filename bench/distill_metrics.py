@@ -34,7 +34,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from bench import command, repo_path, write_result
 from data_gen.prompts import load_prompts, render
 from models.cost import machine
-from models.pair import layer_subset, load_pair
+from models.pair import load_pair
+from models.student import layer_subset
 from train.distill import acceptance, generate_continuations, leviathan_speedup, measure_cost_ratio
 from utils.cli import CONF_DIR, UserError, hydra_entry
 

@@ -389,7 +389,7 @@ def tree_curve(tree_ms: list[float], target_fit: list[float]) -> list[float]:
 
 
 def cache_path(pair, key: dict) -> Path:
-    from models.pair import cache_root
+    from models.sources import cache_root
 
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return cache_root(pair.cfg) / "profiles" / f"{pair.pair_id}-{digest}.json"

@@ -10,7 +10,8 @@ import torch
 from omegaconf import OmegaConf
 from safetensors import safe_open
 
-from models.pair import STUDENT_META, layer_subset, load_pair, load_student
+from models.pair import load_pair
+from models.student import STUDENT_META, layer_subset, load_student
 from train.distill import leviathan_speedup, make_student, save_student, weighted
 from train.distill_module import collate, topk_kl
 from utils.cli import UserError

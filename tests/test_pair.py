@@ -9,8 +9,11 @@ import torch
 from omegaconf import OmegaConf
 
 from models.lm import cache_kw
-from models.pair import check_same_tokenizer, layer_subset, load_pair, load_tokenizer, tokenizer_hash
+from models.pair import check_same_tokenizer, load_pair, load_tokenizer, tokenizer_hash
+from models.sources import PairSource
+from models.student import layer_subset
 from models.tiny import tiny_tokenizer
+from tests.conftest import REPO
 from utils.cli import UserError
 
 
@@ -192,7 +195,7 @@ def test_gguf_cache_key_follows_content_not_path(tmp_path):
     """A reinstalled package (new path, new mtime) reuses the dequantized cache; a different file does not."""
     import os
 
-    from models.pair import _gguf_key
+    from models.sources import _gguf_key
 
     blob = os.urandom(40_000)
     a, b = tmp_path / "a" / "m.gguf", tmp_path / "b" / "m.gguf"
@@ -205,3 +208,41 @@ def test_gguf_cache_key_follows_content_not_path(tmp_path):
     assert _gguf_key(a, edge=1024) != _gguf_key(b, edge=1024)
     b.write_bytes(blob[:20_000] + b"x" + blob[20_000:])  # the same first and last 1024 bytes, another size
     assert _gguf_key(a, edge=1024) != _gguf_key(b, edge=1024)
+
+
+# ---------------------------------------------------------------------------- a new source: one class + one yaml
+
+
+class LastLayers(PairSource):
+    """A source only this test knows: a draft of the target's last `count` layers (sharing its weights)."""
+
+    roles, derived = ("draft",), True
+
+    def load(self, src, cfg, dtype, target=None, target_tok=None):
+        n = len(target.model.layers)
+        return layer_subset(target, list(range(n - int(src.count), n))), target_tok
+
+
+def test_a_new_pair_source_decodes_through_the_decode_command(cli, tmp_path):
+    """`python -m decode pair=tiny_last hydra.searchpath=[file://DIR]` with pair_source/last_layers.yaml (this
+    module's class) and pair/tiny_last.yaml in the user's conf dir: the pair loads through the class, decodes
+    losslessly, and a target node naming a draft-only source is one line."""
+    import json
+
+    conf = tmp_path / "conf"
+    (conf / "pair_source").mkdir(parents=True)
+    (conf / "pair_source" / "last_layers.yaml").write_text(f"_target_: {__name__}.LastLayers\n")
+    (conf / "pair").mkdir()
+    pair = OmegaConf.load(REPO / "conf" / "pair" / "tiny_random.yaml")
+    pair.name, pair.draft = "tiny_last", {"source": "last_layers", "count": 2}
+    (conf / "pair" / "tiny_last.yaml").write_text(OmegaConf.to_yaml(pair))
+    out = tmp_path / "run"
+    search = f"hydra.searchpath=[file://{conf}]"
+    done = cli("decode", "pair=tiny_last", "limit=2", "max_new_tokens=8", "warmup=false", "policies=[constant]",
+               f"out_dir={out}", search)
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["constant"]["lossless"] is True and summary["constant"]["acceptance_rate"] < 1
+    bad = cli("models", "pair=tiny_last", "pair.target.source=last_layers", search)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "error: target.source=last_layers cannot be the target; the target needs one of: gguf, hf, tiny_random"]

@@ -17,8 +17,8 @@ Recipe, top to bottom:
    output. A before/after table reports held-out Σmin(p,q), greedy agreement, the measured cost ratio c and the
    predicted speedup (Leviathan et al.'s improvement factor at the best constant draft length).
 
-The output file holds only the student's own tensors and JSON metadata (`models.pair.STUDENT_META`): load it with
-`models.pair.load_student(target, path)` or a pair config `draft: {source: student, weights: PATH}`. The loss, the
+The output file holds only the student's own tensors and JSON metadata (`models.student.STUDENT_META`): load it with
+`models.student.load_student(target, path)` or a pair config `draft: {source: student, weights: PATH}`. The loss, the
 batches and the Lightning module and callback live in train/distill_module.py.
 """
 
@@ -41,8 +41,9 @@ from tqdm.auto import tqdm
 
 from eval.theory import best_gamma
 from models.lm import cache_kw
-from models.pair import (Pair, cache_root, decoder_parts, eos_ids, layer_subset, load_pair,
-                         load_student, write_student_file)
+from models.pair import Pair, eos_ids, load_pair
+from models.sources import cache_root
+from models.student import decoder_parts, layer_subset, load_student, write_student_file
 from utils.cli import UserError, check_name, hydra_entry
 from utils.files import atomic_write
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
 
-from models.pair import decoder_parts
+from models.student import decoder_parts
 
 
 def _buckets(logits: torch.Tensor, vals: torch.Tensor, idx: torch.Tensor):

@@ -5,7 +5,7 @@
 
 A run trained in float32 (a CPU without bf16, or `pair.dtype=float32` on a GPU) writes float32 tensors; the shipped
 draft is stored in bf16, half the bytes, as every pair loads the student in its own dtype anyway
-(`models.pair.load_student` casts). The file's metadata gains `stored_dtype` and `stored_from` (the source's sha256),
+(`models.student.load_student` casts). The file's metadata gains `stored_dtype` and `stored_from` (the source's sha256),
 so the shipped file names the exact training output it came from.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from models.pair import read_student_file, write_student_file
+from models.student import read_student_file, write_student_file
 from utils.cli import UserError, hydra_entry
 from utils.files import sha256_file
 

@@ -36,7 +36,7 @@ def _strings(x) -> list[str]:
 
 def count_tokens(pair, cfg: DictConfig) -> tuple[Counter, list[dict]]:
     """Token counts over the target's continuations and the human text the config names."""
-    from models.pair import cache_root
+    from models.sources import cache_root
     from train.distill import cache_key, cached, dataset_prompts, generate_continuations
 
     counts: Counter = Counter()
