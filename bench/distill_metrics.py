@@ -36,7 +36,8 @@ from data_gen.prompts import load_prompts, render
 from models.cost import machine
 from models.pair import load_pair
 from models.student import layer_subset
-from train.distill import acceptance, generate_continuations, leviathan_speedup, measure_cost_ratio
+from train.distill_corpus import generate_continuations
+from train.distill_eval import acceptance, leviathan_speedup, measure_cost_ratio
 from utils.cli import CONF_DIR, UserError, hydra_entry
 
 BARS = {"sum_min": 0.50, "greedy_agree": 0.50, "c": 0.30, "speedup": 1.3}
@@ -72,12 +73,12 @@ def domain_acceptance(draft, pair, sets: dict[str, list[dict]]) -> dict:
 def measure(draft, pair, sets, text, cost_ids) -> dict:
     import dataclasses
 
-    from models.cost import DEFAULTS, measure as measure_profile
+    from models.profiling import DEFAULTS, measure as measure_profile
 
     domains = domain_acceptance(draft, pair, sets)
     a = domains["mbpp"]
     w = acceptance(draft, pair.target, text, pair.vocab_size, pair.device)
-    cost = measure_cost_ratio(draft, pair.target, cost_ids, steps=32, repeats=7)
+    cost = measure_cost_ratio(draft, pair.target, pair.vocab_size, cost_ids, repeats=35)
     prof = measure_profile(dataclasses.replace(pair, draft=draft),
                            OmegaConf.merge(DEFAULTS, {"max_n": 9, "prefill_lengths": [32], "repeats": 21}), False)
     row = {"mbpp_sum_min": a["sum_min"], "mbpp_greedy_agree": a["greedy_agree"], "mbpp_tokens": a["tokens"],

@@ -5,7 +5,7 @@
 1. Products at the default pair's shapes (the 49,152 x 576 LM head, the 8,192-row FR-Spec draft head, the target's
    576x576, 192x576, 1536x576 and 576x1536 layers) for n = 1..9 rows: torch's `F.linear` against
    `models.lm_head.PackedLinear` (oneDNN, weight reordered once), in float32 and bfloat16.
-2. The target's cost curve t(n)/t(1), t(1) and the draft step (models.cost.measure, the loop's own calls) with
+2. The target's cost curve t(n)/t(1), t(1) and the draft step (models.profiling.measure, the loop's own calls) with
    `pair.linear=torch` ("before") and `pair.linear=packed` ("after"), in both dtypes.
 Writes results/bench/head_gemm.json (one entry per machine) and head_gemm.md.
 """
@@ -18,7 +18,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from bench import interleaved_median_us, write_result
-from models.cost import DEFAULTS, machine, measure
+from models.cost import machine
+from models.profiling import DEFAULTS, measure
 from models.lm_head import PackedLinear
 from utils.cli import hydra_entry
 

@@ -33,7 +33,8 @@ from decode.hf import HFAssisted
 from decode.hf_generate import stop_policy_generator
 from decode.loop import GenResult
 from decode.run import tokenize_prompts
-from models.cost import get_profile, machine
+from models.cost import machine
+from models.profiling import get_profile
 from models.lm import Clock
 from models.pair import load_pair
 from utils.cli import hydra_entry

@@ -6,7 +6,7 @@
    8,192-row FR-Spec head) for n rows: `aten._weight_int8pack_mm` (what Int8Linear runs below the switch) against
    a bf16 copy of the dequantized weight through oneDNN, packed once (what it runs from the switch on), bf16
    activations, median µs, interleaved.
-2. The pair's cost profile (models.cost.measure, the loop's own calls) with the switch off and at the pair's own:
+2. The pair's cost profile (models.profiling.measure, the loop's own calls) with the switch off and at the pair's own:
    draft step, a token tree's draft level of n nodes ÷ draft step, and the draft's prefill.
 Writes results/bench/int8_rows.json (one entry per machine) and int8_rows.md. bf16 CPUs only: elsewhere the draft
 keeps float weights (models.lm_head.int8_kernel_is_fast) and the script says so.
@@ -21,7 +21,8 @@ from omegaconf import DictConfig, OmegaConf
 
 import models.lm_head as lm_head
 from bench import command, interleaved_median_us, write_result
-from models.cost import DEFAULTS, machine, measure
+from models.cost import machine
+from models.profiling import DEFAULTS, measure
 from utils.cli import UserError, hydra_entry
 
 SHAPES = {"q/k/v 960x576": (960, 576), "o 576x576": (576, 576), "gate/up 3072x576": (3072, 576),
@@ -72,7 +73,7 @@ def markdown(data: dict) -> list[str]:
             for shape, t in shapes.items():
                 lines.append(f"| {shape} | " + " | ".join(f"{t[n]['int8']:.0f} / {t[n]['bf16']:.0f}" for n in rows) + " |")
             lines.append("")
-        lines += [f"Cost profile ({e['profile_threads']} threads; models.cost.measure): draft step, a draft level of n "
+        lines += [f"Cost profile ({e['profile_threads']} threads; models.profiling.measure): draft step, a draft level of n "
                   "nodes ÷ draft step, the draft's prefill:", "",
                   "| draft products | step ms | c | level n=2..12 ÷ step | prefill ms (L) |", "|---|---|---|---|---|"]
         for label, p in e["profile"].items():

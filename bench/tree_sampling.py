@@ -78,7 +78,7 @@ def run(cfg: DictConfig) -> dict:
     from decode.methods import methods_from_cfg
     from decode.policies import build_policy
     from decode.run import tokenize_prompts
-    from models.cost import get_profile
+    from models.profiling import get_profile
     from models.pair import load_pair
 
     if not cfg.temperature or float(cfg.temperature) <= 0:

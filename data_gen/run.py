@@ -251,7 +251,7 @@ def _reusable(folder: Path, manifest: dict) -> bool:
 
 def _new_manifest(cfg: DictConfig, split: str, pair, s: Settings, plan: Plan, items: list, note: str | None) -> dict:
     """The manifest of a folder this job starts: the config and everything a later reader checks against."""
-    from models.cost import get_profile
+    from models.profiling import get_profile
 
     kind = trace_kind(cfg.trace)
     return {

@@ -310,11 +310,11 @@ def _profile(profile, pair, wanted: bool, what: str, hint: str = ""):
     if callable(profile):
         profile = profile()
     if profile is None and pair is not None:
-        from models.cost import get_profile
+        from models.profiling import get_profile
 
         profile = get_profile(pair)
     if profile is None:
-        raise UserError(f"{what} reads the measured cost profile: pass profile=models.cost.get_profile(pair) (or a "
+        raise UserError(f"{what} reads the measured cost profile: pass profile=models.profiling.get_profile(pair) (or a "
                         f"CostProfile from python -m decode.profile) or pair=PAIR{hint}")
     return profile
 

@@ -173,7 +173,7 @@ def build_policy(spec: str, params: dict | None = None, pair=None, ckpt: str | N
         extra["bundle"] = bundle
     if cls.wants_profile(params, bundle):  # the profile only for a rule that reads it; measured once, then cached
         if profile is None and pair is not None:
-            from models.cost import get_profile
+            from models.profiling import get_profile
 
             profile = get_profile(pair)
         extra["profile"] = profile

@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from models.cost import CostProfile, get_profile
+from models.cost import CostProfile
+from models.profiling import get_profile
 from utils.cli import hydra_entry
 
 

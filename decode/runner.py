@@ -22,7 +22,8 @@ from decode.policies import build_policy
 from decode.report import markdown_table, task_table, write_outputs
 from decode.run import Decoding, SplitResult, check_settings, run_split
 from decode.tune import choose, tune_grid
-from models.cost import get_profile, machine
+from models.cost import machine
+from models.profiling import get_profile
 from models.pair import draft_files
 from utils.cli import UserError
 from utils.files import write_text_atomic

@@ -9,7 +9,7 @@ from the pair's measured acceptance-by-rank vector and cost profile (issue 30).
    At every continuation position, the 1-based rank of the target's token in the draft's logits (ties counted in its
    favour); a token outside a reduced (FR-Spec) draft vocabulary can never be drafted and counts as `beyond`.
    rank_vector[r-1] = P(rank = r) for r ≤ max_rank; `beyond` = the rest.
-2. Costs: the pair's measured profile (models.cost.get_profile, the cache decode reads; measured when missing).
+2. Costs: the pair's measured profile (models.profiling.get_profile, the cache decode reads; measured when missing).
 3. Trees: models.tree_dp, position independence (a rank-r child is accepted with p_r given its parent was).
 4. Speedup of a round = (1 + E[accepted]) · t_target(1) ÷ (draft cost + verify cost), `CostProfile.round_steps`:
    a tree's verify = one tree-attention target pass over n + 1 tokens (pending + n nodes; past the profile's
@@ -208,7 +208,7 @@ def main(cfg: DictConfig) -> dict:
         torch.set_num_threads(int(cfg.threads))
     from data_gen.prompts import load_prompts
     from decode.run import tokenize_prompts
-    from models.cost import get_profile
+    from models.profiling import get_profile
     from models.pair import load_pair
 
     pair = load_pair(cfg.pair)

@@ -1,4 +1,5 @@
-"""The measured cost profile: what a draft step and a target pass over n tokens cost on this machine.
+"""The measured cost profile — what a draft step and a target pass over n tokens cost on this machine — and the cost
+model that prices a decode row with it (`modeled_ms`). models.profiling measures and caches it.
 
 `python -m decode.profile pair=NAME [threads=N] [profile.refresh=true]` prints it (the entry point is
 decode/profile.py; the profile lives here, below data_gen and decode, because both write it).
@@ -38,15 +39,10 @@ from /proc/stat) is kept but named in one warning line whenever it is used: its 
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import platform
-import statistics
-import time
 
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
@@ -54,7 +50,6 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from utils.cli import UserError
-from utils.files import write_text_atomic
 
 PROFILE_VERSION = 2
 
@@ -236,27 +231,6 @@ def profile_key(pair, settings: DictConfig) -> dict:
 LOADED_CORES = 0.5  # other processes' CPU use during a measurement above which its ratios are not trusted silently
 
 
-def cpu_seconds() -> tuple[float, float] | None:
-    """(busy CPU seconds of the whole machine, of this process) so far; None where /proc/stat is not readable."""
-    import resource
-
-    try:
-        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
-    except OSError:
-        return None
-    user, nice, system, idle, iowait, irq, softirq, steal = (int(x) for x in fields[:8])
-    busy = (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-    own = resource.getrusage(resource.RUSAGE_SELF)
-    return busy, own.ru_utime + own.ru_stime
-
-
-def other_load(before, after, wall_s: float) -> float | None:
-    """Cores other processes kept busy between two `cpu_seconds` readings (a shared machine's load)."""
-    if before is None or after is None or wall_s <= 0:
-        return None
-    return max(0.0, ((after[0] - before[0]) - (after[1] - before[1])) / wall_s)
-
-
 def warn_if_loaded(prof: "CostProfile") -> None:
     load = prof.extra.get("other_load_cores")
     if load is not None and load > LOADED_CORES:
@@ -276,108 +250,6 @@ def monotone(ys: list[float]) -> list[float]:
     return [float(y) for y in fit]
 
 
-def _tree_probe(lm, cache, ids: list[int], c: int, n: int, pending: int, compact: bool = False):
-    """A timed tree call after `c` cached tokens as the loop runs it (models.tree.grow's level calls; with
-    `compact`, decode.tree's verify and commit): the mask built, `pending` committed tokens run causally, then
-    n − pending nodes (children of the last committed token: the mask's shape, not its branching, is what costs),
-    logits at all n, and (`compact`) the cache compacted to the prefix and a one-node path (`LM.keep`), before it
-    is cropped back."""
-    from models.lm import tree_attention
-
-    nodes = n - pending
-
-    def call():
-        pos, mask = tree_attention([-1] * nodes, list(range(nodes)), c + pending, c, None, lm.device)
-        lm(ids[c: c + n], cache, last=n, positions=pos, mask=mask)
-        if compact and nodes:
-            lm.keep(cache, [*range(c + pending), c + n - 1])
-        cache.crop(c - cache.get_seq_length())
-    return call
-
-
-@torch.inference_mode()
-def measure(pair, settings: DictConfig, progress: bool = True) -> CostProfile:
-    """Time the loop's own model calls (models.lm.LM) on this machine; see the module docstring."""
-    from tqdm import tqdm
-
-    from models.lm import LM, Clock
-
-    repeats, warmup = int(settings.repeats), int(settings.warmup)
-    gen = torch.Generator().manual_seed(0)
-    tree_n = tree_passes(settings)
-    longest = max(int(settings.max_n), tree_n, int(settings.get("max_level", 0) or 0))
-    ids = torch.randint(100, max(pair.vocab_size - 1, 101), (max(int(settings.context),
-                        max(settings.prefill_lengths)) + longest + 2,), generator=gen).tolist()
-    clock = Clock(pair.device)
-
-    c = int(settings.context)
-    max_n = int(settings.max_n)
-    lengths = [int(x) for x in settings.prefill_lengths]
-    draft, target = LM.of(pair, "draft"), LM.of(pair, "target")
-    dcache, tcache = draft.new_cache(), target.new_cache()
-    draft(ids[:c], dcache, last=0)
-    target(ids[:c], tcache, last=0)
-
-    def step(lm: LM, cache, n: int, last: int):
-        def call():
-            lm(ids[c: c + n], cache, last=last)
-            cache.crop(-n)
-        return call
-
-    def cold_draft():  # the first draft call of a round: right after a target pass over 3 tokens
-        step(target, tcache, 3, 3)()
-        t = clock()
-        step(draft, dcache, 1, 1)()
-        return clock() - t
-
-    # the draft's level calls right after its one-token calls (warm, as in a round: the cold first call of a round
-    # is `draft_cold`), the target's tree passes after its causal ones
-    probes = {("draft", 1): step(draft, dcache, 1, 1), ("draft", 2): step(draft, dcache, 2, 1)}
-    levels = int(settings.get("max_level", 0) or 0)
-    probes.update({("draft_level", n): _tree_probe(draft, dcache, ids, c, n, 0) for n in range(1, levels + 1)})
-    # a tree pass beside the causal pass of its size, so both read the same spell of a shared machine
-    for n in range(1, max(max_n, tree_n) + 1):
-        if n <= max_n:
-            probes[("target", n)] = step(target, tcache, n, n)
-        if n <= tree_n and settings.get("tree", True):
-            probes[("target_tree", n)] = _tree_probe(target, tcache, ids, c, n, 1, compact=True)
-    for length in lengths:
-        probes[("prefill_target", length)] = lambda L=length: target(ids[:L], target.new_cache(), last=1)
-        probes[("prefill_draft", length)] = lambda L=length: draft(ids[:L], draft.new_cache(), last=1)
-    times: dict = {key: [] for key in [*probes, ("draft_cold", 1)]}
-    cpu_before, wall_before = cpu_seconds(), time.perf_counter()
-    # round-robin over every point, so a slow spell of a shared machine hits all of them alike and the ratios the
-    # cost model uses (c, t(n)/t(1)) stay steady; the median of each point is kept
-    for r in tqdm(range(warmup + repeats), desc="cost profile", unit="round", disable=not progress):
-        for key, fn in probes.items():
-            t = clock()
-            fn()
-            if r >= warmup:
-                times[key].append(clock() - t)
-        cold = cold_draft()
-        if r >= warmup:
-            times[("draft_cold", 1)].append(cold)
-    load = other_load(cpu_before, cpu_seconds(), time.perf_counter() - wall_before)
-    ms = {key: 1000 * statistics.median(v) for key, v in times.items()}
-    draft_ms = [ms[("draft", 1)], ms[("draft", 2)]]
-    draft_cold = ms[("draft_cold", 1)]
-    target_ms = [ms[("target", n)] for n in range(1, max_n + 1)]
-    pre_t = [ms[("prefill_target", L)] for L in lengths]
-    pre_d = [ms[("prefill_draft", L)] for L in lengths]
-    level_ms = [ms[("draft_level", n)] for n in range(1, levels + 1)] or None
-    tree_ms = [ms[key] for key in sorted(k for k in ms if k[0] == "target_tree")] or None
-    extra = {"raw_ms": {"target_ms": target_ms, "target_tree_ms": tree_ms, "draft_level_ms": level_ms}}
-    if load is not None:
-        extra["other_load_cores"] = round(load, 2)
-    target_fit = monotone(target_ms)
-    return CostProfile(key=profile_key(pair, settings), draft_ms=draft_ms, target_ms=target_fit,
-                       prefill_lengths=lengths, prefill_target_ms=pre_t, prefill_draft_ms=pre_d,
-                       context=int(settings.context), repeats=repeats, draft_cold_ms=draft_cold,
-                       date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), extra=extra,
-                       draft_level_ms=level_ms and monotone(level_ms),
-                       target_tree_ms=tree_ms and tree_curve(tree_ms, target_fit))
-
-
 def tree_curve(tree_ms: list[float], target_fit: list[float]) -> list[float]:
     """The tree-pass curve: non-decreasing, and never below the causal pass of the same size (`target_fit`, up to
     its end): a tree pass runs the same products over as many tokens plus a mask, the cache's compaction and the
@@ -386,39 +258,6 @@ def tree_curve(tree_ms: list[float], target_fit: list[float]) -> list[float]:
     curve's, and the builders grew trees on the difference."""
     floored = [max(t, target_fit[i]) if i < len(target_fit) else t for i, t in enumerate(tree_ms)]
     return monotone(floored)
-
-
-def cache_path(pair, key: dict) -> Path:
-    from models.sources import cache_root
-
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return cache_root(pair.cfg) / "profiles" / f"{pair.pair_id}-{digest}.json"
-
-
-def get_profile(pair, settings: DictConfig | dict | None = None) -> CostProfile:
-    """The cached profile for this pair and machine, measured first when there is none (or `refresh`)."""
-    settings = OmegaConf.merge(DEFAULTS, settings or {})
-    if settings.get("file"):  # a profile measured elsewhere (e.g. to replay another machine's costs)
-        path = Path(str(settings.file))
-        if not path.is_file():
-            raise UserError(f"profile.file={path}: no such file; pass a profile.json from `python -m decode.profile`")
-        return CostProfile.from_dict(json.loads(path.read_text()))
-    key = profile_key(pair, settings)
-    path = cache_path(pair, key)
-    if path.is_file() and not settings.get("refresh"):
-        try:
-            prof = CostProfile.from_dict(json.loads(path.read_text()))
-            warn_if_loaded(prof)
-            return prof
-        except (ValueError, UserError, TypeError):
-            pass  # an unreadable or old cache entry is remeasured, never trusted
-    prof = measure(pair, settings)
-    write_text_atomic(path, json.dumps(prof.to_dict(), indent=1))
-    warn_if_loaded(prof)
-    return prof
-
-
-DEFAULTS = OmegaConf.load(Path(__file__).resolve().parent.parent / "conf" / "profile" / "default.yaml")
 
 
 # ------------------------------------------------------------------------------------------------- cost model

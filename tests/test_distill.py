@@ -12,8 +12,11 @@ from safetensors import safe_open
 
 from models.pair import load_pair
 from models.student import STUDENT_META, layer_subset, load_student
-from train.distill import leviathan_speedup, make_student, save_student, weighted
-from train.distill_module import collate, topk_kl
+from train.distill_corpus import weighted
+from train.distill_eval import leviathan_speedup
+from train.distill_losses import DistillLoss, ForwardKL, topk_kl
+from train.distill_student import make_student, save_student
+from train.distill_module import collate
 from utils.cli import UserError
 
 
@@ -219,3 +222,32 @@ def test_shipped_student_is_the_default_draft():
         agree = {name: (d(ids).logits[0, :, : pair.vocab_size].argmax(-1) == p).float().mean().item()
                  for name, d in [("student", pair.draft), ("untrained", layer_subset(pair.target, [0, 1, 2, 3]))]}
     assert agree["student"] > agree["untrained"] + 0.2, agree  # trained: far closer to the target than its init
+
+
+class HalfKL(DistillLoss):
+    """A loss only this test knows: half the forward KL (the same optimum, half the gradient)."""
+
+    def divergence(self, p, logq):
+        return 0.5 * ForwardKL().divergence(p, logq)
+
+
+def test_a_new_loss_trains_through_the_distill_command(cli, tmp_path):
+    """`python -m train.distill train.loss=half_kl hydra.searchpath=[file://DIR]` with distill_loss/half_kl.yaml (this
+    module's class) in the user's conf dir: the student trains on it and logs it under its name; an unknown loss is
+    one line naming the known ones."""
+    conf = tmp_path / "conf"
+    (conf / "distill_loss").mkdir(parents=True)
+    (conf / "distill_loss" / "half_kl.yaml").write_text(f"_target_: {__name__}.HalfKL\n")
+    search = f"hydra.searchpath=[file://{conf}]"
+    out = tmp_path / "student.safetensors"
+    common = ("pair=tiny_random", "student.layers=[0]", "data.max_new_tokens=8", "data.gen_batch_size=4",
+              "data.sources=[{dataset: mbpp, split: train, limit: 4}]", "data.text.chunks=2",
+              "data.heldout=[{dataset: mbpp, split: validation, limit: 2}]", "data.heldout_text_chunks=2",
+              "train.max_steps=3", "train.val_every=3", "train.batch_size=2", "measure_cost=false",
+              f"data.cache_dir={tmp_path / 'cache'}")
+    res = cli("train.distill", *common, "train.loss=half_kl", f"out={out}", search, f"hydra.run.dir={tmp_path / 'run'}")
+    assert res.returncode == 0, res.stderr[-2000:]
+    info = json.loads(out.with_suffix(".json").read_text())["info"]
+    assert info["recipe"]["train"]["loss"] == "half_kl" and out.is_file()
+    bad = cli("train.distill", *common, "train.loss=nope", search, f"hydra.run.dir={tmp_path / 'run2'}")
+    assert bad.returncode == 2 and "unknown train.loss=nope; known: fkl, half_kl, jsd, tv" in bad.stderr

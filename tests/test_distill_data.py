@@ -18,7 +18,8 @@ from tests.conftest import REPO, run_cli
 from train import batch_gen
 from train import distill_data as dd
 from train import distill_prompts as dp
-from train.distill_module import distill_loss, subset_index, topk_kl
+from train.distill_losses import distill_loss, topk_kl
+from train.distill_module import subset_index
 from utils.cli import CONF_DIR, UserError
 
 
@@ -192,11 +193,11 @@ def test_losses_are_the_exact_divergences_when_k_covers_the_vocabulary():
     logits = torch.randn(6, 9)
     q = torch.softmax(logits, -1)
     vals, idx = p.topk(9, -1)
-    torch.testing.assert_close(distill_loss("tv", logits, vals, idx), 0.5 * (p - q).abs().sum(-1), atol=1e-5, rtol=0)
+    torch.testing.assert_close(distill_loss("tv")(logits, vals, idx), 0.5 * (p - q).abs().sum(-1), atol=1e-5, rtol=0)
     m = 0.5 * (p + q)
     jsd = 0.5 * (p * (p / m).log()).sum(-1) + 0.5 * (q * (q / m).log()).sum(-1)
-    torch.testing.assert_close(distill_loss("jsd", logits, vals, idx), jsd, atol=1e-5, rtol=0)
-    torch.testing.assert_close(distill_loss("fkl", logits, vals, idx), topk_kl(logits, vals, idx)[0])
+    torch.testing.assert_close(distill_loss("jsd")(logits, vals, idx), jsd, atol=1e-5, rtol=0)
+    torch.testing.assert_close(distill_loss("fkl")(logits, vals, idx), topk_kl(logits, vals, idx)[0])
 
 
 def test_subset_head_loss_puts_unreachable_teacher_mass_in_the_rest_bucket():
@@ -207,7 +208,7 @@ def test_subset_head_loss_puts_unreachable_teacher_mass_in_the_rest_bucket():
     sub = subset_index(idx, position)
     assert sub.tolist() == [[-1, 1]]
     vals = torch.tensor([[0.7, 0.2]])
-    loss = distill_loss("fkl", torch.zeros(1, 3), vals, sub)
+    loss = distill_loss("fkl")(torch.zeros(1, 3), vals, sub)
     # buckets: {token 2: p 0.2, q 1/3}, rest: {p 0.8, q 2/3}
     want = 0.2 * torch.log(torch.tensor(0.2 / (1 / 3))) + 0.8 * torch.log(torch.tensor(0.8 / (2 / 3)))
     torch.testing.assert_close(loss, want.reshape(1), atol=1e-5, rtol=0)
@@ -253,7 +254,7 @@ def test_distill_resumes_after_a_kill(tmp_path):
 def test_on_policy_batch_is_the_students_continuation_scored_by_the_teacher(tiny_pair):
     from omegaconf import OmegaConf
 
-    from train.distill import make_student
+    from train.distill_student import make_student
     from train.distill_module import DistillModule, collate
 
     student = make_student(tiny_pair.target, [0], own_norm=True)
@@ -279,7 +280,7 @@ def test_text_chunks_take_the_responses_topk(tmp_path, tiny_pair):
     (a 32-wide responses folder beside 64-wide text failed in collate on the real pair)."""
     from omegaconf import OmegaConf
 
-    from train.distill import build_data
+    from train.distill_corpus import build_data
 
     cfg = compose_data(tmp_path, "max_shards=1")
     dd.run(cfg)
@@ -300,7 +301,7 @@ def test_text_chunks_take_the_responses_topk(tmp_path, tiny_pair):
 def test_responses_list_adds_a_top_up_set_of_the_same_width(tmp_path, tiny_pair):
     """data.responses may list folders (the main set, then top-ups made with another out_root): their items add up,
     and a top-up of another top-k width is refused in one line (a batch holds one width)."""
-    from train.distill import build_data
+    from train.distill_corpus import build_data
 
     main = compose_data(tmp_path, "max_shards=1")
     extra = compose_data(tmp_path, "max_shards=2", f"out_root={tmp_path / 'extra'}", f"seq_dir={tmp_path / 'seqs2'}",
@@ -342,7 +343,7 @@ def test_translations_from_plans_other_sentences_under_their_own_ids(tmp_path):
 def test_text_chunks_per_article_reaches_the_rest_of_the_train_articles(tiny_pair):
     """data.text.chunks_per_article overrides the dataset's 4 chunks an article: more raw train text, still only
     train-split articles; a setting the dataset lacks is one UserError line."""
-    from train.distill import dataset_prompts
+    from train.distill_corpus import dataset_prompts
 
     few, _ = dataset_prompts(tiny_pair, "wikitext2", "train", None)
     many, _ = dataset_prompts(tiny_pair, "wikitext2", "train", None, chunks_per_article=1000)

@@ -15,7 +15,8 @@ from scipy.stats import chisquare
 from decode.loop import autoregressive, speculative
 from decode.metrics import cost_model_speedup
 from decode.policies import build_policy
-from models.cost import CostProfile, get_profile, modeled_ms
+from models.cost import LOADED_CORES, CostProfile, modeled_ms, warn_if_loaded
+from models.profiling import get_profile
 from models.lm_head import packed_available, packed_bf16_available
 from models.distributions import draft_probs
 from utils.files import read_jsonl
@@ -37,7 +38,7 @@ def flat_profile(c: float, target_ms=None) -> CostProfile:
 def test_profile_is_measured_once_then_cached(tiny_pair, tmp_path, monkeypatch):
     """The first call measures t_draft(1..2), t_target(1..max_n) and prefills; the second reads the cache (a
     second measurement would fail here); refresh=true measures again."""
-    import models.cost as dp
+    import models.profiling as dp
 
     monkeypatch.setenv("SPECSTOP_CACHE", str(tmp_path))
     prof = get_profile(tiny_pair, SMALL)
@@ -61,7 +62,7 @@ def test_profile_is_measured_once_then_cached(tiny_pair, tmp_path, monkeypatch):
 def test_a_profile_measured_under_load_says_so(tiny_pair, tmp_path, monkeypatch, capsys):
     """Other processes' CPU time during the measurement (machine busy time minus ours, /proc/stat) is stored with the
     profile; above half a core every use of that profile prints one warning line naming the fix."""
-    import models.cost as dp
+    import models.profiling as dp
 
     assert dp.other_load((100.0, 10.0), (106.0, 12.0), 4.0) == pytest.approx(1.0)  # 6 s busy, 2 s ours, in 4 s
     assert dp.other_load(None, (1.0, 1.0), 1.0) is None
@@ -69,14 +70,14 @@ def test_a_profile_measured_under_load_says_so(tiny_pair, tmp_path, monkeypatch,
     readings = iter([(0.0, 0.0), (1e6, 0.0)])  # before / after: the whole machine busy, none of it ours
     monkeypatch.setattr(dp, "cpu_seconds", lambda: next(readings))
     prof = get_profile(tiny_pair, SMALL)
-    assert prof.extra["other_load_cores"] > dp.LOADED_CORES
+    assert prof.extra["other_load_cores"] > LOADED_CORES
     assert "profile.refresh=true" in capsys.readouterr().out
     get_profile(tiny_pair, SMALL)  # read back from the cache: still named
     out = capsys.readouterr().out
     assert out.count("warning: other processes kept") == 1
     quiet = flat_profile(0.2)
     quiet.extra["other_load_cores"] = 0.1
-    dp.warn_if_loaded(quiet)
+    warn_if_loaded(quiet)
     assert capsys.readouterr().out == ""
 
 

@@ -1,4 +1,4 @@
-"""The distillation's training pieces: the top-k KL objective, length-bucketed batches, and the Lightning module and
+"""The distillation's training pieces: length-bucketed batches, and the Lightning module and
 snapshot callback `train.distill` fits with (a module of its own so that importing train.distill, as
 train.vocab_subset and bench/distill_metrics.py do, does not import Lightning)."""
 
@@ -17,55 +17,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 
 from models.student import decoder_parts
-
-
-def _buckets(logits: torch.Tensor, vals: torch.Tensor, idx: torch.Tensor):
-    """(p, log q) on k + 1 buckets — the teacher's kept tokens and one bucket for the rest of the vocabulary.
-
-    An index of -1 marks a teacher token the student cannot emit (outside an FR-Spec subset): its mass joins the
-    rest bucket, where q has what the student gives the tokens not kept.
-    """
-    logq = torch.log_softmax(logits.float(), -1)
-    ok = idx >= 0
-    lq = logq.gather(-1, idx.clamp_min(0).long()).masked_fill(~ok, -math.inf)
-    p = vals.float().masked_fill(~ok, 0.0)
-    p_rest = (1 - p.sum(-1, keepdim=True)).clamp_min(0)
-    q_rest = (1 - lq.exp().sum(-1, keepdim=True)).clamp_min(1e-8)
-    return torch.cat([p, p_rest], -1), torch.cat([lq, q_rest.log()], -1)
-
-
-def _kl(p: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
-    """Σ p (log p − log q) over buckets, 0·log 0 = 0."""
-    return (p * (p.clamp_min(1e-12).log() - logq.clamp_min(-1e4))).sum(-1)
-
-
-def topk_kl(logits: torch.Tensor, vals: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-position KL(p||q) with p known on k tokens + the rest mass: (KL, cross-entropy), both (N,).
-
-    CE = -Σ_k p_i log q_i - p_rest log q_rest, where q_rest = 1 - Σ_k q_i; KL = CE - H(p) with the same grouping.
-    """
-    p, logq = _buckets(logits, vals, idx)
-    ce = -(p * logq.clamp_min(-1e4)).sum(-1)
-    return _kl(p, logq), ce
-
-
-def distill_loss(name: str, logits: torch.Tensor, vals: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Per-position divergence of the student from the teacher on the k + 1 buckets (DistillSpec's choices):
-    `fkl` KL(p||q) (mode-covering), `tv` total variation ½Σ|p − q| (what 1 − acceptance measures for sampling),
-    `jsd` Jensen-Shannon (½KL(p||m) + ½KL(q||m), m = (p + q)/2)."""
-    if name == "fkl":
-        return topk_kl(logits, vals, idx)[0]
-    p, logq = _buckets(logits, vals, idx)
-    q = logq.exp()
-    if name == "tv":
-        return 0.5 * (p - q).abs().sum(-1)
-    if name == "jsd":
-        m_log = (0.5 * (p + q)).clamp_min(1e-12).log()
-        return 0.5 * (p * (p.clamp_min(1e-12).log() - m_log)).sum(-1) + 0.5 * (q * (logq.clamp_min(-1e4) - m_log)).sum(-1)
-    raise ValueError(name)
-
-
-LOSSES = ("fkl", "tv", "jsd")
+from train.distill_losses import distill_loss
 
 
 def subset_index(idx: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
@@ -75,7 +27,7 @@ def subset_index(idx: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
 
 class LengthBatches(torch.utils.data.Sampler):
     """Batches of similar-length sequences (little padding), in a fresh random order every epoch. `rounds` (an item
-    copy's index, from train.distill.weighted) sorts first, so a repeated item's copies land in different batches
+    copy's index, from train.distill_corpus.weighted) sorts first, so a repeated item's copies land in different batches
     instead of side by side in one (same length) — each batch keeps batch_size distinct sequences."""
 
     def __init__(self, lengths: list[int], batch_size: int, seed: int, rounds: list[int] | None = None):
@@ -128,10 +80,7 @@ class DistillModule(L.LightningModule):
         self.on_policy = float(tcfg.get("on_policy", 0.0))
         self.rng = random.Random(int(tcfg.get("seed", 0)))
         self.loss_name = str(tcfg.get("loss", "fkl"))
-        if self.loss_name not in LOSSES:
-            from utils.cli import UserError
-
-            raise UserError(f"train.loss={self.loss_name} is not one of {', '.join(LOSSES)}")
+        self.loss = distill_loss(self.loss_name)  # conf/distill_loss/<name>.yaml; a bad name is one error line
         self.t0 = None
         self.strict_loading = False  # checkpoints hold only the trainable tensors
         if subset is not None:
@@ -172,7 +121,7 @@ class DistillModule(L.LightningModule):
         h = inner(input_ids=batch["x"], attention_mask=batch["att"]).last_hidden_state
         logits = self.logits(h[batch["mask"]])  # the head only where a loss is taken
         idx = batch["idx"] if self.position is None else subset_index(batch["idx"], self.position)
-        per_pos = distill_loss(self.loss_name, logits, batch["vals"], idx)
+        per_pos = self.loss(logits, batch["vals"], idx)
         loss = per_pos.mean()
         if float(self.tcfg.ce_weight) > 0:
             top = idx[:, 0].long()

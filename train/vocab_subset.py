@@ -37,7 +37,7 @@ def _strings(x) -> list[str]:
 def count_tokens(pair, cfg: DictConfig) -> tuple[Counter, list[dict]]:
     """Token counts over the target's continuations and the human text the config names."""
     from models.sources import cache_root
-    from train.distill import cache_key, cached, dataset_prompts, generate_continuations
+    from train.distill_corpus import cache_key, cached, dataset_prompts, generate_continuations
 
     counts: Counter = Counter()
     sources = []
