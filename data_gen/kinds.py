@@ -8,7 +8,6 @@ makes their rows) is declared on the class, never read off its name (DESIGN.md "
 
 from __future__ import annotations
 
-
 from data_gen.tree_format import TREE_FORMAT
 from utils import discover
 from utils.cli import UserError
