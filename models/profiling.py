@@ -7,8 +7,8 @@ busy is named (`other_load`)."""
 from __future__ import annotations
 
 import hashlib
-import os
 import json
+import os
 import statistics
 import time
 from datetime import datetime, timezone
@@ -17,7 +17,14 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from models.cost import CostProfile, monotone, profile_key, tree_curve, tree_passes, warn_if_loaded
+from models.cost import (
+    CostProfile,
+    monotone,
+    profile_key,
+    tree_curve,
+    tree_passes,
+    warn_if_loaded,
+)
 from utils.cli import UserError
 from utils.files import write_text_atomic
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import copy
 import json
-import logging
 import sys
 import time
 from pathlib import Path
@@ -41,8 +40,6 @@ from train.distill_corpus import CODE_VERSION, build_data, weighted
 from train.distill_eval import describe, print_table
 from train.distill_student import make_student, save_student, student_subset, warm_start
 from utils.cli import UserError, hydra_entry
-
-log = logging.getLogger(__name__)
 
 
 def _run_dir() -> Path:

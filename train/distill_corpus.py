@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import math
 import os
 import random
@@ -20,7 +19,6 @@ from models.sources import cache_root
 from utils.cli import UserError, check_name
 from utils.files import atomic_write
 
-log = logging.getLogger(__name__)
 CODE_VERSION = "distill-1"  # in the data cache key and the student file: a change here rebuilds the cache
 
 

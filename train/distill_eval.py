@@ -3,15 +3,12 @@ agreement), its measured cost ratio c and the speedup Leviathan et al.'s formula
 
 from __future__ import annotations
 
-import logging
 import sys
 
 import torch
 
 from eval.theory import best_gamma
 from models.pair import Pair
-
-log = logging.getLogger(__name__)
 
 
 @torch.inference_mode()

@@ -5,7 +5,6 @@ subset it is trained through (`student_subset`)."""
 from __future__ import annotations
 
 import copy
-import logging
 from pathlib import Path
 
 import torch
@@ -14,8 +13,6 @@ from omegaconf import DictConfig
 from models.pair import Pair, eos_ids
 from models.student import decoder_parts, layer_subset, load_student, write_student_file
 from utils.cli import UserError
-
-log = logging.getLogger(__name__)
 
 
 def make_student(target, layers: list[int], own_norm: bool = True):
