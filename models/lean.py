@@ -20,6 +20,8 @@ included), so nothing is copied.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -160,59 +162,72 @@ class LeanLlama:
         return cos[start:end][None, None], sin[start:end][None, None], mask
 
     def hidden(self, ids: torch.Tensor, cache: LeanCache, positions: torch.Tensor | None = None,
-               mask: torch.Tensor | None = None) -> torch.Tensor:
-        """`positions` (n,) long and `mask` (n, cache.len + n) bool (True = attend): a token-tree call (both or
-        neither; see models.lm.LM.__call__)."""
+               mask: torch.Tensor | None = None, layers: Sequence[int] = ()):
+        """The final-norm output (1, n, d) of `ids` after the cache. `positions` (n,) long and `mask`
+        (n, cache.len + n) bool (True = attend): a token-tree call (both or neither; see models.lm.LM.__call__).
+        `layers`: also return {i: the hidden state (1, n, d) transformers' `hidden_states[i]` holds} — 0 the
+        embeddings, i the output of decoder layer i, the last index the final-norm output — as a second value."""
         if (positions is None) != (mask is None):
             raise ValueError("a tree call gives both positions and mask")
-        tree = mask is not None
         n = ids.shape[-1]
         start, end = cache.len, cache.len + n
         cache.reserve(end)
         cos, sin, mask = self._rope_and_mask(start, end, positions, mask)
-        groups = self.heads // self.kv_heads
         x = F.embedding(ids.view(1, n), self.embed)
-        d = self.head_dim
-        for i, (w_in, eps_in, qkv, o_proj, qkv_stacked, w_post, eps_post, gate_up, down, gate_up_stacked) in enumerate(
-                self.layers):
-            residual = x
-            h = self._rms(x, w_in, eps_in)
-            if qkv_stacked is not None:  # one int8 product; q and k rotated as one tensor of their heads side by side
-                y = qkv_stacked(h)
-                qk = self._rotate(y[..., : self.qk_width].view(1, n, -1, d).transpose(1, 2), cos, sin)
-                q, k = qk[:, : self.heads], qk[:, self.heads :]
-                v = y[..., self.qk_width :].view(1, n, -1, d).transpose(1, 2)
-            else:
-                q, k, v = (proj(h).view(1, n, -1, d).transpose(1, 2) for proj in qkv)
-                q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-            kb, vb = cache.k[i], cache.v[i]
-            kb[:, :, start:end] = k
-            vb[:, :, start:end] = v
-            keys, values = kb[:, :, :end], vb[:, :, :end]
-            if n == 1 and groups > 1 and (self.pack_one_row or tree):
-                # one row in bf16: each key/value head's query heads as the rows of one query (transformers'
-                # pack_gqa). torch 2.13's CPU kernel runs a grouped bf16 row 4-5x slower (121 vs 28 us at 200
-                # positions; float32 has no such cliff, 22 vs 27) and rounds some rows differently, so in bf16 this
-                # is the one place where the numbers are not transformers' bit for bit (they differ at bf16
-                # resolution, as a K-row verification already does from one-row steps). A one-row tree call packs
-                # in any dtype: transformers packs a masked row, so these are its bits
-                a = F.scaled_dot_product_attention(q.reshape(1, self.kv_heads, groups, self.head_dim), keys, values,
-                                                   attn_mask=mask, scale=self.scale).reshape(1, self.heads, 1, d)
-            else:
-                # several rows: grouped heads with the mask give the bits of transformers' repeated key/value heads
-                a = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None and n > 1,
-                                                   scale=self.scale, enable_gqa=groups > 1)
-            a = a.transpose(1, 2).contiguous().reshape(1, n, -1).contiguous()
-            x = residual + o_proj(a)
-            residual = x
-            h = self._rms(x, w_post, eps_post)
-            if gate_up_stacked is not None:
-                gate, up = gate_up_stacked(h).split(gate_up_stacked.out_features // 2, dim=-1)
-            else:
-                gate, up = (proj(h) for proj in gate_up)
-            x = residual + down(F.silu(gate) * up)
+        want = set(layers)
+        taps = {0: x} if 0 in want else {}
+        for i, params in enumerate(self.layers):
+            x = self._layer(i, params, x, cache, start, end, cos, sin, mask)
+            if i + 1 in want:
+                taps[i + 1] = x
         cache.len = end
-        return self._rms(x, *self.norm)
+        out = self._rms(x, *self.norm)
+        if not want:
+            return out
+        if len(self.layers) in want:  # transformers' last hidden state is the final norm's output
+            taps[len(self.layers)] = out
+        return out, taps
+
+    def _layer(self, i: int, params, x, cache: LeanCache, start: int, end: int, cos, sin, mask):
+        """Decoder layer i on x (1, n, d): attention over the cache (its keys and values written at start..end) and
+        the MLP, each with its residual."""
+        w_in, eps_in, qkv, o_proj, qkv_stacked, w_post, eps_post, gate_up, down, gate_up_stacked = params
+        n, d, groups = x.shape[1], self.head_dim, self.heads // self.kv_heads
+        residual = x
+        h = self._rms(x, w_in, eps_in)
+        if qkv_stacked is not None:  # one int8 product; q and k rotated as one tensor of their heads side by side
+            y = qkv_stacked(h)
+            qk = self._rotate(y[..., : self.qk_width].view(1, n, -1, d).transpose(1, 2), cos, sin)
+            q, k = qk[:, : self.heads], qk[:, self.heads :]
+            v = y[..., self.qk_width :].view(1, n, -1, d).transpose(1, 2)
+        else:
+            q, k, v = (proj(h).view(1, n, -1, d).transpose(1, 2) for proj in qkv)
+            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        kb, vb = cache.k[i], cache.v[i]
+        kb[:, :, start:end] = k
+        vb[:, :, start:end] = v
+        keys, values = kb[:, :, :end], vb[:, :, :end]
+        if n == 1 and groups > 1 and (self.pack_one_row or mask is not None):
+            # one row in bf16: each key/value head's query heads as the rows of one query (transformers'
+            # pack_gqa). torch 2.13's CPU kernel runs a grouped bf16 row 4-5x slower (121 vs 28 us at 200
+            # positions; float32 has no such cliff, 22 vs 27) and rounds some rows differently, so in bf16 this
+            # is the one place where the numbers are not transformers' bit for bit (they differ at bf16
+            # resolution, as a K-row verification already does from one-row steps). A one-row tree call packs
+            # in any dtype: transformers packs a masked row, so these are its bits
+            a = F.scaled_dot_product_attention(q.reshape(1, self.kv_heads, groups, self.head_dim), keys, values,
+                                               attn_mask=mask, scale=self.scale).reshape(1, self.heads, 1, d)
+        else:
+            # several rows: grouped heads with the mask give the bits of transformers' repeated key/value heads
+            a = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None and n > 1,
+                                               scale=self.scale, enable_gqa=groups > 1)
+        x = residual + o_proj(a.transpose(1, 2).contiguous().reshape(1, n, -1).contiguous())
+        residual = x
+        h = self._rms(x, w_post, eps_post)
+        if gate_up_stacked is not None:
+            gate, up = gate_up_stacked(h).split(gate_up_stacked.out_features // 2, dim=-1)
+        else:
+            gate, up = (proj(h) for proj in gate_up)
+        return residual + down(F.silu(gate) * up)
 
 
 def _stacked(*linears) -> Int8Linear | None:

@@ -71,30 +71,41 @@ class LM:
         return self.lean.new_cache() if self.lean else DynamicCache(config=self.model.config)
 
     def __call__(self, ids: list[int], cache, last: int, positions: torch.Tensor | Sequence[int] | None = None,
-                 mask: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                 mask: torch.Tensor | None = None, layers: Sequence[int] = ()):
         """Run `ids` after the cache; logits (last, V) and hidden (last, d) of the final `last` positions (0 = none).
 
         A token-tree call gives `positions` (n,) — each new token's rotary position — and `mask` (n, cache_len + n)
         bool — True where a new token attends to a cache position or a new token (`tree_attention` builds both). The
         new tokens' keys/values still go to cache positions cache_len .. cache_len + n - 1; `keep` then compacts the
-        accepted path. Both None (the default): exactly the chain call, bit for bit."""
+        accepted path. Both None (the default): exactly the chain call, bit for bit.
+
+        `layers`: a third value, the hidden states of those layers at all n new positions, (len(layers), n, d), indexed
+        as transformers' `hidden_states` (0 the embeddings, i the output of decoder layer i, the last the final-norm
+        output) on both forwards — what a draft reading the target's features (EAGLE-3) needs from a verification.
+        A call that asks for none computes and returns what it did before."""
         x = torch.tensor([ids], device=self.device)
         positions, mask = self._tree_args(len(ids), cache, positions, mask)
         tree = {} if mask is None else {"position_ids": positions[None], "attention_mask": self._hf_mask(mask)}
+        taps = None
         if self.plain:
             if self.lean:
-                h = self.lean.hidden(x[0], cache, positions, mask)[0]
+                h = self.lean.hidden(x[0], cache, positions, mask, layers)
+                h, taps = (h[0][0], h[1]) if layers else (h[0], None)
+                taps = taps and [taps[i][0] for i in layers]
             else:
-                h = self.base(input_ids=x, **cache_kw(self.base, cache), use_cache=True, **tree).last_hidden_state[0]
-            if last == 0:
-                return None, None
-            h = h[-last:]
-            return self.head(h)[..., : self.vocab], h
-        out = self.model(input_ids=x, **cache_kw(self.model, cache), use_cache=True, output_hidden_states=True,
-                         logits_to_keep=max(last, 1), **tree)
-        if last == 0:
-            return None, None
-        return out.logits[0, -last:, : self.vocab], out.hidden_states[-1][0, -last:]
+                out = self.base(input_ids=x, **cache_kw(self.base, cache), use_cache=True, **tree,
+                                output_hidden_states=bool(layers))
+                h = out.last_hidden_state[0]
+                taps = [out.hidden_states[i][0] for i in layers] if layers else None
+            logits = None if last == 0 else self.head(h[-last:])[..., : self.vocab]
+            result = (logits, None if last == 0 else h[-last:])
+        else:
+            out = self.model(input_ids=x, **cache_kw(self.model, cache), use_cache=True, output_hidden_states=True,
+                             logits_to_keep=max(last, 1), **tree)
+            taps = [out.hidden_states[i][0] for i in layers] if layers else None
+            result = (None, None) if last == 0 else (out.logits[0, -last:, : self.vocab],
+                                                     out.hidden_states[-1][0, -last:])
+        return (*result, torch.stack(taps)) if layers else result
 
     def _tree_args(self, n: int, cache, positions, mask) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """positions and mask on the model's device, checked against the call (a wrong shape would otherwise surface

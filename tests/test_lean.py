@@ -101,3 +101,36 @@ def test_forward_setting_resolves_and_refuses(tiny_cfg, tiny_pair):
     assert biased.lean is None  # LM built without lean=True keeps transformers' forward
     with pytest.raises(UserError, match="pair.forward must be one of auto, lean, hf, got 'fast'"):
         load_pair(OmegaConf.merge(tiny_cfg, {"forward": "fast"}))
+
+
+def test_requested_layers_are_transformers_hidden_states_on_both_forwards(tiny_cfg):
+    """models.lm.LM(..., layers=...) returns the hidden states transformers' `hidden_states` holds at those indices
+    (0 the embeddings, the last the final-norm output) at every new position, through the lean forward and
+    transformers' alike, for chain calls after a cache and a token-tree call; a call asking for none is unchanged."""
+    from models.lm import tree_attention
+
+    pair = load_pair(OmegaConf.merge(tiny_cfg, {"dtype": "float32"}))
+    model, n_layers = pair.target, len(pair.target.model.layers)
+    layers = (0, 1, n_layers // 2, n_layers)
+    lean, hf = LM(model, pair.vocab_size, lean=True), LM(model, pair.vocab_size)
+    assert lean.lean is not None and hf.lean is None
+    caches = {lm: lm.new_cache() for lm in (lean, hf)}
+    ref_cache = hf.new_cache()
+    with torch.inference_mode():
+        for ids in (list(range(3, 14)), [20], [21, 22, 23]):
+            want = model(input_ids=torch.tensor([ids]), **cache_kw(model, ref_cache), use_cache=True,
+                         output_hidden_states=True).hidden_states
+            for lm, cache in caches.items():
+                logits, h, feats = lm(ids, cache, last=2, layers=layers)
+                assert feats.shape == (len(layers), len(ids), model.config.hidden_size)
+                for j, i in enumerate(layers):
+                    assert torch.equal(feats[j], want[i][0]), (lm is lean, ids, i)
+                assert torch.equal(h, want[-1][0, -2:])
+        # a tree call: two children of the last token; the features are the masked pass's, per node
+        for lm, cache in caches.items():
+            start = cache.get_seq_length()
+            pos, mask = tree_attention([-1, -1], [0, 1], start, start, None, lm.device)
+            _, _, feats = lm([30, 31], cache, last=2, positions=pos, mask=mask, layers=(n_layers,))
+            cache.crop(-2)
+            plain = lm([30, 31], cache, last=2, positions=pos, mask=mask)
+            assert len(plain) == 2 and torch.equal(feats[0], plain[1])
