@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from models.distributions import draft_probs, support_entropy, support_topk
+from models.distributions import draft_probs, on_support, support_entropy, support_topk
 from models.features.layout import DEFAULT_TOPK
 from models.lm import tree_attention
 
@@ -81,7 +81,8 @@ class Tree:
         have = self._stats.get(node) if own else None
         if have is None or len(have[0]) < k:
             q, support = self.dist(node), self.support if own else support
-            have = (*support_topk(q, width, support, ids=True), support_entropy(q, support))
+            mass = on_support(q, support)  # gathered once for both
+            have = (*support_topk(q, width, support, mass, ids=True), support_entropy(q, mass=mass))
             if own:
                 self._stats[node] = have
         return have[0][:k], have[1][:k], have[2]
