@@ -129,6 +129,13 @@ def manifest_kind(manifest: dict) -> TraceKind | None:
     return trace_kind(t) if t.get("kind") is not None else None
 
 
+def greedy_rounds(manifest: dict) -> bool:
+    """Whether a trace folder holds rows a decoder's rounds replay on (eval.replay, the train job's speed rule): a
+    kind whose rows follow the target's own continuation (`replays_rounds`), traced greedily."""
+    kind, temp = manifest_kind(manifest), manifest.get("temperature")
+    return kind is not None and kind.replays_rounds and temp is not None and float(temp) == 0.0
+
+
 def trace_kind(t) -> TraceKind:
     """The kind a trace config describes, built from its `_target_`; a config without one (a manifest's, from
     before the key) is looked up by `kind` in conf/trace."""

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from data_gen.kinds import greedy_rounds
 from models.features.signals import VerifyStats, compared
 from models.features.trace import continuation_starts
 from utils.cli import UserError
@@ -45,8 +46,8 @@ class Continuation:
 
 def check_greedy(manifest: dict, where) -> None:
     """Refuse, in one line, traces that are not greedy target_ar (the only ones a replay can read rounds off)."""
-    kind, temp = manifest.get("trace_kind"), manifest.get("temperature")
-    if kind != "target_ar" or temp is None or float(temp) != 0.0:
+    if not greedy_rounds(manifest):
+        kind, temp = manifest.get("trace_kind"), manifest.get("temperature")
         raise UserError(f"{where} holds {kind} traces at temperature {temp}; this needs greedy target_ar traces "
                         "(python -m data_gen trace=target_ar trace.temperature=0)")
 

@@ -35,6 +35,7 @@ import numpy as np
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
+from data_gen.kinds import manifest_kind
 from models.cost import CostProfile
 from models.tree import Tree
 from utils.cli import UserError, command, hydra_entry, output_dir
@@ -59,7 +60,8 @@ class Candidates:
 def check_trace(manifest: dict, folder) -> dict:
     """The trace's tree settings; anything but a greedy stride-1 `tree` trace refused in one line."""
     tree = manifest.get("tree") or {}
-    if manifest.get("trace_kind") != "tree":
+    kind = manifest_kind(manifest)
+    if kind is None or not kind.tree:
         raise UserError(f"{folder} holds {manifest.get('trace_kind')} traces; this needs tree traces "
                         "(python -m data_gen trace=tree split=... limit=...)")
     if int(tree.get("stride", 1)) != 1:

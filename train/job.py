@@ -195,7 +195,7 @@ def store_speed_rule(path: Path, val_ds, val_manifest: dict, conf) -> dict | Non
     the profile the traces were made with) and store it in the checkpoint, so `learned:<ckpt>` decodes with it
     without a tuning step. Skipped (None, with a note) for heads the replay cannot run and traces with no profile."""
     from data_gen.contract import trace_columns
-    from data_gen.kinds import manifest_kind
+    from data_gen.kinds import greedy_rounds
     from eval.continuations import CONTINUATION_COLUMNS, continuations
     from eval.replay import speed_rule
     from models.cost import CostProfile
@@ -208,9 +208,7 @@ def store_speed_rule(path: Path, val_ds, val_manifest: dict, conf) -> dict | Non
         print(f"speed rule: not chosen ({bundle.kind} head scores token-tree nodes; decode's tree builders size the "
               "tree from its P(on_path))", flush=True)
         return None
-    kind = manifest_kind(val_manifest)
-    greedy = kind is not None and kind.replays_rounds and float(val_manifest.get("temperature") or 0) == 0.0
-    if not bundle.spec.reads_probs or not greedy or not val_manifest.get("cost_profile"):
+    if not bundle.spec.reads_probs or not greedy_rounds(val_manifest) or not val_manifest.get("cost_profile"):
         print(f"speed rule: not chosen ({bundle.kind} head, {val_manifest.get('trace_kind')} traces"
               f"{'' if val_manifest.get('cost_profile') else ', no cost profile in the traces'}); decode uses the "
               "stored threshold", flush=True)
