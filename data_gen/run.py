@@ -258,6 +258,7 @@ def _new_manifest(cfg: DictConfig, split: str, pair, s: Settings, plan: Plan, it
         "config_hash": plan.config_hash,
         "config": store.hash_payload(cfg),
         "pair_id": pair.pair_id,
+        "drafter": "student",  # whose draft the rows record (decode.drafter); traces without the key are the student's
         "tokenizer_hash": pair.tokenizer_hash,
         "dtype": plan.dtype,
         "linear": plan.linear,

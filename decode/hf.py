@@ -18,6 +18,7 @@ import copy
 
 import torch
 
+from decode.drafter import Drafter
 from decode.loop import GenResult
 from decode.policies import StopPolicy
 from models.lm import Clock
@@ -80,3 +81,23 @@ class HFAssisted(StopPolicy):
         res.drafted = counts["draft"]
         res.accepted = max(0, min(len(tokens) - counts["target"], res.drafted))
         return res
+
+
+class HFAssistedDrafter(Drafter):
+    """The drafter for `hf_assisted`: transformers runs the whole generation (`generate`), so decode.loop runs no
+    rounds of its own."""
+
+    name = "hf_assisted"
+
+    def __init__(self, pair, policy):
+        super().__init__(policy, max_len=getattr(policy, "k", 1))
+
+    @classmethod
+    def runs(cls, policy_cls) -> str | None:
+        return None if getattr(policy_cls, "external", False) else "only transformers' own assisted generation"
+
+    def describe(self) -> dict:
+        return self.policy.describe()
+
+    def generate(self, prompt_ids, max_new_tokens, temperature, top_p, eos, generator):
+        return self.policy.generate(prompt_ids, max_new_tokens, temperature, top_p, eos, generator)

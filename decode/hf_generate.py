@@ -51,7 +51,7 @@ import torch
 from transformers import GenerationMixin, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.candidate_generator import AssistedCandidateGenerator
 
-from decode.loop import _verify_stats
+from decode.lm_drafters import verify_stats as _verify_stats
 from decode.learned import Learned
 from decode.policies import build_policy, known_policies, parse_spec, policy_class, policy_config
 from models.distributions import draft_probs

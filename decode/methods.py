@@ -3,7 +3,9 @@
 A *method* is one row of the decode tables: `Method.key` is its name there (`svip`, `learned`, or
 `learned:<ckpt stem>` beside another head, `svip[h=0.3]` for a grid point), `Method.spec` the stop policy it runs
 (`svip`, `learned:PATH`), `Method.params` that policy's constructor parameters, `Method.target` its class (found by
-name once, on the config's search path, so a policy from a user's conf dir needs no second look-up).
+name once, on the config's search path, so a policy from a user's conf dir needs no second look-up),
+`Method.drafter` the drafter it runs on (decode.drafter; None: the policy's own, the student's chain or the tree
+a builder grows). With `drafters=[a,b]` every drafter is paired with every policy it runs, keyed `a/<policy key>`.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ class Method:
     spec: str  # policy spec (`svip`, `learned:PATH`)
     params: dict  # constructor parameters
     target: str | None = None  # the policy class (its yaml's `_target_`), found by name on the config's search path
+    drafter: str | None = None  # conf/drafter/<name>.yaml; None: the student's, handing trees etc. on (decode.drafter)
+    drafter_params: dict | None = None  # that yaml's parameters, `drafter.<name>.*` merged over
 
     @property
     def policy_class(self) -> type[StopPolicy]:
@@ -65,6 +69,8 @@ def methods_from_cfg(cfg: DictConfig) -> list[Method]:
         raise UserError(f"policies lists a method twice: {keys}")
     if cfg.get("tuned"):
         out = apply_tuned(out, Path(str(cfg.tuned)))
+    if cfg.get("drafters"):
+        out = with_drafters(out, cfg)
     if float(cfg.temperature) > 0:
         greedy_only = [m for m in out if m.policy_class.greedy_only]
         if greedy_only:
@@ -99,3 +105,23 @@ def apply_tuned(methods: list[Method], path: Path) -> list[Method]:
     if not any(v is not None for v in found.values()):
         raise UserError(f"tuned={path} tunes {sorted(chosen)}, none of this run's methods {[m.key for m in methods]}")
     return [replace(m, params={**m.params, **(found[m.key] or {})}) for m in methods]
+
+
+def with_drafters(methods: list[Method], cfg: DictConfig) -> list[Method]:
+    """Every listed drafter × every method whose policy it runs (decode.drafter.runner_of), keyed
+    `drafter/<method key>`; a pairing that does not go together is left out with one line saying why."""
+    from decode.drafter import runner_of
+
+    out = []
+    for name in [str(d) for d in cfg.drafters]:
+        over = (cfg.get("drafter") or {}).get(name)
+        params = OmegaConf.to_container(over, resolve=True) if over is not None else None
+        for m in methods:
+            runner, why = runner_of(name, m.policy_class, cfg)
+            if runner is None:
+                print(f"drafters: {name}/{m.key} left out: {why}")
+                continue
+            out.append(replace(m, key=f"{name}/{m.key}", drafter=name, drafter_params=params))
+    if not out:
+        raise UserError(f"drafters={list(cfg.drafters)} run none of policies={list(cfg.policies)}")
+    return out

@@ -1,7 +1,9 @@
 """Run one split: target-only once + every method on the same prompts, in one process; no files written here.
 
 Per prompt, target-only decoding runs first and then each method (interleaved, so slow drift of a shared machine
-hits every method alike); a warm-up generation of every method precedes all timing.
+hits every method alike); a warm-up generation of every method precedes all timing. A method is a stop policy on a
+drafter (decode.drafter): its own (`drafters` unset) or each listed one; each drafter's rows are priced on its own
+cost profile (`Drafter.profile_of`) and its c is measured from its own timed draft steps.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from tqdm import tqdm
 from decode import metrics
 from decode.loop import autoregressive, speculative
 from decode.methods import Method
+from decode.drafter import Drafter, for_policy
 from decode.policies import build_policy
 from utils.cli import UserError
 
@@ -84,16 +87,14 @@ def tokenize_prompts(pair, prompts, max_new_tokens: int) -> list[list[int]]:
     return out
 
 
-def _generate(pair, policy, prompt_ids: list[int], d: Decoding, eos: set[int], seed: int, lookahead=None):
-    """One generation: target-only when `policy` is None, else speculative with it (transformers' assisted
-    generation, an `external` policy, runs its own loop)."""
+def _generate(pair, drafter: Drafter | None, prompt_ids: list[int], d: Decoding, eos: set[int], seed: int,
+              lookahead=None):
+    """One generation: target-only when `drafter` is None, else speculative with it."""
     g = torch.Generator()
     g.manual_seed(seed)
-    if policy is None:
+    if drafter is None:
         return autoregressive(pair, prompt_ids, d.max_new_tokens, d.temperature, d.top_p, eos, g)
-    if policy.external:
-        return policy.generate(prompt_ids, d.max_new_tokens, d.temperature, d.top_p, eos, g)
-    return speculative(pair, prompt_ids, policy, d.max_new_tokens, d.temperature, d.top_p, eos, g,
+    return speculative(pair, prompt_ids, drafter, d.max_new_tokens, d.temperature, d.top_p, eos, g,
                        lookahead=lookahead)
 
 
@@ -101,29 +102,35 @@ def run_split(pair, prompts, methods: list[Method], profile, d: Decoding, desc: 
     """Target-only + methods on `prompts`. `profile` (models.cost) costs the cost-model speedup."""
     ids = tokenize_prompts(pair, prompts, d.max_new_tokens)
     eos = pair.eos_ids
-    policies = _policies(pair, methods, profile)
+    drafters = _drafters(pair, methods, profile)
     if d.warmup:  # first calls allocate caches and pick kernels: keep them out of the timings
         warm = replace(d, max_new_tokens=min(8, d.max_new_tokens))
         ref = _generate(pair, None, ids[0], warm, eos, d.seed)
-        for pol in policies.values():
-            _generate(pair, pol, ids[0], warm, eos, d.seed, ref.tokens)
-        policies = _policies(pair, methods, profile)  # adaptive state (heuristic K, AdaEDL λ) starts afresh
-    rows = _decode_prompts(pair, prompts, ids, methods, policies, d, eos, desc)
+        for dr in drafters.values():
+            _generate(pair, dr, ids[0], warm, eos, d.seed, ref.tokens)
+        drafters = _drafters(pair, methods, profile)  # adaptive state (heuristic K, AdaEDL λ) starts afresh
+    rows = _decode_prompts(pair, prompts, ids, methods, drafters, d, eos, desc)
     if d.greedy:
-        tie_margins(pair, rows, dict(zip([p.prompt_id for p in prompts], ids)), policies, d.tie_tol, d.tie_ulps)
-    cost_ratio = _measured_cost_ratio(rows, policies)
+        tie_margins(pair, rows, dict(zip([p.prompt_id for p in prompts], ids)), drafters, d.tie_tol, d.tie_ulps)
     tasks = sorted({r["task"] for r in rows if r.get("task")})
-    by_task = {t: _summarize([r for r in rows if r.get("task") == t], methods, policies, profile, d.greedy,
-                             cost_ratio) for t in tasks} if len(tasks) > 1 else {}
-    return SplitResult(_summarize(rows, methods, policies, profile, d.greedy, cost_ratio), rows, by_task)
+    by_task = {t: _summarize([r for r in rows if r.get("task") == t], methods, drafters, profile, d.greedy)
+               for t in tasks} if len(tasks) > 1 else {}
+    return SplitResult(_summarize(rows, methods, drafters, profile, d.greedy), rows, by_task)
 
 
-def _policies(pair, methods: list[Method], profile) -> dict:
-    """A fresh policy object per method, keyed like the tables."""
-    return {m.key: build_policy(m.spec, m.params, pair=pair, profile=profile, target=m.target) for m in methods}
+def _drafters(pair, methods: list[Method], profile) -> dict:
+    """A fresh drafter (with a fresh policy) per method, keyed like the tables."""
+    return {m.key: for_policy(m.drafter or "student", pair,
+                              build_policy(m.spec, m.params, pair=pair, profile=profile, target=m.target),
+                              m.drafter_params) for m in methods}
 
 
-def _decode_prompts(pair, prompts, ids, methods, policies, d: Decoding, eos, desc: str) -> list[dict]:
+def _approx(drafter) -> bool:
+    """Whether a method's verification is approximate (SPRINTER's): a drafter's policy says, or a bare policy."""
+    return bool(getattr(getattr(drafter, "policy", drafter), "approximate", False))
+
+
+def _decode_prompts(pair, prompts, ids, methods, drafters, d: Decoding, eos, desc: str) -> list[dict]:
     """Per prompt: target-only, then every method with the same seed; one row per method × prompt."""
     rows: list[dict] = []
     bar = tqdm(total=len(prompts) * (1 + len(methods)), desc=desc, unit="gen")
@@ -135,16 +142,16 @@ def _decode_prompts(pair, prompts, ids, methods, policies, d: Decoding, eos, des
         ref_text = pair.tokenizer.decode(ref.tokens, skip_special_tokens=True)
         rows.append({"method": "target", "prompt_id": prompt.prompt_id, "prompt_tokens": len(prompt_ids),
                      **metrics.record(ref, None), "tokens": ref.tokens, "text": ref_text, **task})
-        if prompt.reference and any(p.approximate for p in policies.values()):
+        if prompt.reference and any(_approx(dr) for dr in drafters.values()):
             rows[-1]["rouge_l_ref"] = metrics.rouge_l(ref_text, prompt.reference)
         for m in methods:
-            pol = policies[m.key]
-            res = _generate(pair, pol, prompt_ids, d, eos, seed, ref.tokens if d.greedy else None)
+            dr = drafters[m.key]
+            res = _generate(pair, dr, prompt_ids, d, eos, seed, ref.tokens if d.greedy else None)
             bar.update()
             row = {"method": m.key, "prompt_id": prompt.prompt_id, "prompt_tokens": len(prompt_ids),
                    **metrics.record(res, ref), "tokens": res.tokens, **task}
             row["text"] = pair.tokenizer.decode(res.tokens, skip_special_tokens=True)
-            if pol.approximate:
+            if _approx(dr):
                 row["rouge_l_target"] = metrics.rouge_l(row["text"], ref_text)
                 row["rouge_l_ref"] = metrics.rouge_l(row["text"], prompt.reference) if prompt.reference else None
             rows.append(row)
@@ -152,32 +159,39 @@ def _decode_prompts(pair, prompts, ids, methods, policies, d: Decoding, eos, des
     return rows
 
 
-def _measured_cost_ratio(rows: list[dict], policies: dict) -> float:
-    """Draft step time ÷ target step time from our loop's timed steps (transformers' loop exposes no split)."""
-    ours = [r for r in rows if r["method"] != "target" and not policies[r["method"]].external]
-    target_all = [r for r in rows if r["method"] == "target"]
-    return metrics.measured_c(sum(r["draft_s"] for r in ours), sum(r["draft_calls"] for r in ours),
-                              sum(r["target_s"] for r in target_all),
-                              sum(r["target_calls"] - 1 for r in target_all))  # target_s excludes the prefill call
+def _measured_cost_ratio(rows: list[dict], target_rows: list[dict]) -> float:
+    """Draft step time ÷ target step time from our loop's timed steps (transformers' loop exposes no split; a
+    drafter without model calls, prompt lookup, counts each drafted token as a step)."""
+    return metrics.measured_c(sum(r["draft_s"] for r in rows), sum(r["draft_calls"] or r["drafted"] for r in rows),
+                              sum(r["target_s"] for r in target_rows),
+                              sum(r["target_calls"] - 1 for r in target_rows))  # target_s excludes the prefill call
 
 
-def _summarize(rows: list[dict], methods: list[Method], policies: dict, profile, greedy: bool,
-               cost_ratio: float) -> dict:
+def _summarize(rows: list[dict], methods: list[Method], drafters: dict, profile, greedy: bool) -> dict:
+    """Per method: its metrics on its drafter's profile, and c measured over every method of the same drafter
+    (the student's chain and tree rows together when `drafters` is unset, as before)."""
     target_rows = [r for r in rows if r["method"] == "target"]
     summary = {"target": metrics.target_summary(target_rows)}
+    own = [m for m in methods if not drafters[m.key].policy or not getattr(drafters[m.key].policy, "external", False)]
+    by = {}
+    for m in own:
+        by.setdefault(m.drafter, []).extend(r for r in rows if r["method"] == m.key)
+    c_of = {name: _measured_cost_ratio(rs, target_rows) for name, rs in by.items()}
     for m in methods:
-        pol = policies[m.key]
-        s = metrics.summarize([r for r in rows if r["method"] == m.key], target_rows, profile, greedy,
-                              not pol.approximate)
-        s.update(oracle=pol.oracle, approximate=pol.approximate, params=pol.describe(), measured_c=cost_ratio,
-                 external=bool(pol.external))
+        dr = drafters[m.key]
+        pol = dr.policy
+        s = metrics.summarize([r for r in rows if r["method"] == m.key], target_rows, dr.profile_of(profile), greedy,
+                              not _approx(dr))
+        s.update(oracle=bool(getattr(pol, "oracle", False)), approximate=_approx(dr), params=pol.describe(),
+                 measured_c=c_of.get(m.drafter, float("nan")), external=bool(getattr(pol, "external", False)),
+                 drafter=m.drafter or "student")
         summary[m.key] = s
-    summary["target"]["measured_c"] = cost_ratio
+    summary["target"]["measured_c"] = c_of.get(None, next(iter(c_of.values()), float("nan")))
     return summary
 
 
 @torch.inference_mode()
-def tie_margins(pair, rows: list[dict], prompt_ids: dict, policies: dict, tie_tol=None, tie_ulps: float = 4.0) -> None:
+def tie_margins(pair, rows: list[dict], prompt_ids: dict, drafters: dict, tie_tol=None, tie_ulps: float = 4.0) -> None:
     """For each greedy exact output that differs from target-only: the target's logit margin between the two
     tokens at the first divergence, from one untimed full pass over prompt + common prefix, and the tolerance below
     which that margin is a tie (`tie_tol` if set, else `tie_ulps` ulps of the pair's dtype at the larger logit).
@@ -185,7 +199,7 @@ def tie_margins(pair, rows: list[dict], prompt_ids: dict, policies: dict, tie_to
     verify pass round differently), not a bug."""
     ref = {r["prompt_id"]: r["tokens"] for r in rows if r["method"] == "target"}
     for r in rows:
-        if r["method"] == "target" or r.get("matches_target", True) or policies[r["method"]].approximate:
+        if r["method"] == "target" or r.get("matches_target", True) or _approx(drafters[r["method"]]):
             continue
         j = r["prefix_match"]
         a, b = ref[r["prompt_id"]], r["tokens"]

@@ -1,6 +1,7 @@
 """Token trees in the one speculative loop: the draft proposes branches, the target verifies them in one pass.
 
-A round (decode.loop's `_tree_round`, for a policy with `tree = True`):
+A round (the `tree` drafter, decode.lm_drafters.StudentTree, which runs a policy with `tree = True`; verified by
+decode.drafter.TreeProposal):
 1. the draft runs on its pending tokens; its distribution there is the root's;
 2. (models.tree.grow) the builder (decode.tree_builders, chosen like a stop policy) adds children under nodes
    whose distribution is known, and names the new nodes the draft should run on next (one tree-attention call per
@@ -9,7 +10,8 @@ A round (decode.loop's `_tree_round`, for a policy with `tree = True`):
 3. the builder selects the nodes to verify (closed under ancestors);
 4. the target runs the pending token(s) and the selected nodes in one tree-attention call;
 5. the walk accepts a root path (below), and both KV caches keep exactly the prefix and the accepted path
-   (`models.lm.LM.keep`); the draft re-runs the accepted nodes it had not run on, next round.
+   (`models.lm.LM.keep`; the target's in TreeProposal.verify, the draft's in `commit_draft`); the draft re-runs the
+   accepted nodes it had not run on, next round.
 
 Acceptance. Greedy: from the root, follow the child whose token is the target's argmax; the first node without such
 a child gives the target's token. Sampling: SpecInfer's multi-step speculative sampling (Miao et al. 2024, Alg. 2;
@@ -29,7 +31,7 @@ import torch
 
 from decode.verify import residual
 from models.distributions import draft_probs, greedy_ids, verification_stats
-from models.lm import tree_attention
+from models.lm import target_pass, tree_attention
 from models.tree import Tree
 from models.tree import grow as grow_tree
 
@@ -84,16 +86,16 @@ def sample_walk(tree: Tree, nodes: list[int], p: dict[int, torch.Tensor], genera
         cur = accepted
 
 
-def verify(target, tcache, t_pending: list[int], tree: Tree, nodes: list[int], s,
-           res) -> tuple[list[int], int, torch.Tensor]:
-    """Step 4 and the walk: the accepted path (tree node ids), the token after it and the target's logits (V,) it
-    came from (what the next round's node heads read as the last verification, `root_stats`). The target cache
-    keeps the pending tokens and the tree nodes' entries at `tpos` (cropped to the path by `commit`)."""
+def verify(target, tcache, t_pending: list[int], tree: Tree, nodes: list[int], s, res, layers=()):
+    """Step 4 and the walk: (the accepted path as tree node ids, the token after it, the target's logits (V,) it
+    came from — what the next round's node heads read as the last verification, `root_stats` —, each path node's
+    row among `nodes`, the pass's logits, and the hidden states at `layers` or None). The target cache keeps the
+    pending tokens and every node's entry at `tree.tpos`; decode.drafter.TreeProposal cuts it to the path."""
     start = tcache.get_seq_length()
     prefix_len, n = start + len(t_pending), len(nodes)
     positions, mask = tree_attention(tree.parents, nodes, prefix_len, start, None, target.device)
-    logits, _ = target(t_pending + [tree.tokens[i] for i in nodes], tcache, last=n + 1, positions=positions,
-                       mask=mask)
+    logits, taps = target_pass(target, t_pending + [tree.tokens[i] for i in nodes], tcache, n + 1, layers,
+                                positions=positions, mask=mask)
     res.target_calls += 1
     at = {-1: 0, **{node: j + 1 for j, node in enumerate(nodes)}}  # row of each node's next-token logits
     if s.greedy:
@@ -103,7 +105,7 @@ def verify(target, tcache, t_pending: list[int], tree: Tree, nodes: list[int], s
         path, nxt = sample_walk(tree, nodes, {node: draft_probs(logits[r], s.temperature, s.top_p)
                                               for node, r in at.items()}, s.generator)
     tree.tpos.update({node: prefix_len + j for j, node in enumerate(nodes)})
-    return path, nxt, logits[at[path[-1]] if path else 0]
+    return path, nxt, logits[at[path[-1]] if path else 0], [at[i] - 1 for i in path], logits, taps
 
 
 def root_stats(z: torch.Tensor, s) -> tuple[float, float]:
@@ -115,10 +117,9 @@ def root_stats(z: torch.Tensor, s) -> tuple[float, float]:
     return float(ent), float(margin)
 
 
-def commit(draft, target, dcache, tcache, tree: Tree, prefix_len: int, path: list[int], nxt: int) -> list[int]:
-    """Both caches keep the prefix and the accepted path; returns the draft's pending tokens (the path's nodes it
-    has not run on, then the target's token)."""
-    target.keep(tcache, list(range(prefix_len)) + [tree.tpos[i] for i in path])
+def commit_draft(draft, dcache, tree: Tree, prefix_len: int, path: list[int], nxt: int) -> list[int]:
+    """The draft cache keeps the prefix and the accepted path's nodes it ran on; returns the draft's pending tokens
+    (the path's nodes it has not run on, then the target's token)."""
     ran = 0  # the draft ran on a prefix of the path (it runs a node only after the node's parent)
     while ran < len(path) and path[ran] in tree.dpos:
         ran += 1

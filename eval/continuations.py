@@ -37,7 +37,7 @@ class Continuation:
         return self.draft_token == self.target_token
 
     def verify_stats(self, t: int, k: int, n: int) -> VerifyStats:
-        """The loop's VerifyStats (decode.loop._verify_stats) of a round that started at row t, drafted k, kept n:
+        """The loop's VerifyStats (decode.lm_drafters.verify_stats) of a round that started at row t, drafted k, kept n:
         the target produced row t + n's token, so H_p and the margin are row t + n's, TVD averaged over rows
         t .. t + min(n + 1, k) − 1."""
         tvds = self.tvd[t : t + compared(k, n)]

@@ -5,7 +5,8 @@
 
 A greedy `target_ar` trace holds, at every position of the target's greedy continuation, the draft's features and
 whether its argmax equals the target's token. That is everything a speculative round sees while it stays on the
-target's path, so the decoder's rounds can be replayed row by row with the real policy objects (decode/policies.py):
+target's path, so the decoder's rounds can be replayed row by row with the real policy objects (decode/policies.py)
+in decode.loop's own round code (eval.replay_rounds):
 draft rows t, t+1, … until the policy stops, keep the leading accepted ones plus one target token, go on from there.
 Up to a round's first rejected token the policy sees exactly what it sees in decoding, so for a policy without state
 across rounds every round's accepted count (hence tokens and target calls) is the decoder's, and so is its draft
@@ -48,9 +49,9 @@ from decode.learned import Learned
 from decode.policies import StopPolicy, build_policy, split_spec
 from decode.methods import Method, methods_from_cfg
 from decode.tune import choose, grid_params, tune_grid
-from eval.continuations import PLUS_TRACE_COLUMNS, Continuation, load_continuations
+from eval.continuations import Continuation, load_continuations
 from eval.replay_report import compare, gap_closed, write_outputs
-from models.features.signals import DraftStep
+from eval.replay_rounds import replay_one, trace_drafter
 from utils.cli import UserError, hydra_entry, output_dir
 
 
@@ -108,48 +109,6 @@ def synthetic_scores(conts: list[Continuation], auroc: float, seed: int) -> list
     mu = math.sqrt(2.0) * norm.ppf(auroc)
     rng = np.random.default_rng(seed)
     return [mu * c.accepted + rng.standard_normal(len(c.accepted)) for c in conts]
-
-
-def replay_one(policy: StopPolicy, cont: Continuation, synthetic=None) -> list[tuple[int, int]]:
-    """The rounds (drafted k, accepted n) decode.loop.speculative would run on this continuation, read off the trace.
-
-    Same round structure as the loop: at most min(max_len, tokens left − 1) drafted tokens, the token that makes the
-    policy stop is drafted and verified, the target adds one token per round (correction or bonus). A policy that
-    reads the context (prompt + committed output) or the last verification's statistics (disco_plus heads) gets
-    them as the loop builds them, from the trace's prompt, context tokens and target statistics."""
-    acc = cont.accepted
-    total = len(acc)
-    want_ctx = bool(getattr(policy, "needs_context", False))
-    want_vs = bool(getattr(policy, "needs_verify_stats", False))
-    if (want_ctx or want_vs) and cont.prompt is None:
-        raise UserError("this head reads the context / last verification, which these traces lack "
-                        f"({', '.join(PLUS_TRACE_COLUMNS)}); regenerate them with python -m data_gen")
-    ctx = list(cont.prompt) if want_ctx else None
-    vstats = None
-    policy.reset(lookahead=cont.target_token.tolist(), synthetic=synthetic)
-    rounds, t = [], 0
-    while t < total:
-        k_cap = min(policy.max_len, total - t - 1)
-        k = 0
-        for j in range(k_cap):
-            i = t + j
-            step = DraftStep(probs=cont.topk[i], token=int(cont.draft_token[i]),
-                             hidden=None if cont.hidden is None else cont.hidden[i], position_in_round=j, position=i,
-                             _topk=cont.topk[i], _entropy=cont.entropy[i], context=ctx, verify=vstats)
-            k += 1
-            if policy.should_stop(step):
-                break
-        n = 0
-        while n < k and acc[t + n]:
-            n += 1
-        policy.observe(k, n)
-        rounds.append((k, n))
-        if want_vs:
-            vstats = cont.verify_stats(t, k, n)
-        if want_ctx:
-            ctx.extend(int(x) for x in cont.context_token[t : t + n + 1])
-        t += n + 1
-    return rounds
 
 
 def cost_rows(rounds_per_cont: list[list[tuple[int, int]]], prompt_lens: list) -> tuple[list, list]:
@@ -232,7 +191,9 @@ def replay(methods: list[Method], conts, manifest, folder, profile: CostProfile,
     out = {}
     for m in tqdm(methods, desc=desc, unit="method", leave=False):
         pol = build(m, manifest, folder, profile, list(cols))
-        out[m.key] = summarize([replay_one(pol, cont) for cont in conts], profile, conts)
+        drafters = [trace_drafter(m, pol, cont, manifest) for cont in conts]
+        prof = profile if drafters[0] is None else drafters[0].profile_of(profile)
+        out[m.key] = summarize([replay_one(pol, cont, drafter=d) for cont, d in zip(conts, drafters)], prof, conts)
         if auroc:
             out[m.key]["score_auroc"] = score_auroc(pol, cols)
     return out

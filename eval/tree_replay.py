@@ -7,7 +7,8 @@ candidate tree the draft grows there (EAGLE-2's expansion, models.tree.TopkExpan
 `on_path` (its root path is y[t : t + depth]). Greedy decoding stays on y, so a round at t is replayed noise-free:
 the builder picks nodes from the recorded tree (`pick`, decode.tree_builders), the accepted length is the deepest
 on-path picked node (its ancestors are picked: picks are ancestor-closed, and checked), the round emits accepted + 1
-tokens and t advances by that. Builders: `policies` (the tree builders of conf/policy/, built as decode builds them,
+tokens and t advances by that (decode.loop's own `rounds`: the recorded trees stand in for the draft,
+`CandidateTrees`, and their on-path labels for the target, `OnPath`). Builders: `policies` (the tree builders of conf/policy/, built as decode builds them,
 sized on the trace's cost profile) and the chains `chain_K` (K rank-1 nodes, the width-1 tree = greedy chain
 drafting of K tokens) for K = 1 .. the trace depth and `chain_ev` (the expected-value stop rule's chain), so the best
 tree is compared with the best chain (`best_tree_vs_chain`).
@@ -36,6 +37,8 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from data_gen.kinds import manifest_kind
+from decode.drafter import Drafter, Sampling, TreeProposal, Verdict
+from decode.loop import GenResult, rounds
 from models.cost import CostProfile
 from models.tree import Tree
 from utils.cli import UserError, command, hydra_entry, output_dir
@@ -111,22 +114,55 @@ def accepted(tree: Tree, on_path: np.ndarray, picked: list[int]) -> int:
     return best
 
 
+class CandidateTrees(Drafter):
+    """A prompt's recorded candidate trees as a drafter: at position t the builder picks nodes of tree t (`pick`:
+    decode.tree_builders), and the round's draft calls and verified nodes are what decode would run
+    (`replay_cost`), priced by the profile as a tree round (a chain of `chains` as the chain loop runs it)."""
+
+    name = "candidate_trees"
+
+    def __init__(self, builder, cand: Candidates, profile):
+        super().__init__(builder)
+        self.cand, self.profile = cand, profile
+
+    def start(self, prompt_ids, s, lookahead=None) -> None:
+        self.t, self.cost = 0, 0.0
+        self.record = {"tokens": [], "accepted": [], "nodes": [], "levels": []}
+
+    def propose(self, budget: int, res) -> TreeProposal:
+        tree = self.cand.trees[self.t]
+        picked = self.policy.pick(tree)
+        self.levels, self.nodes = self.policy.replay_cost(tree, picked)
+        return TreeProposal(tree, 0, picked)
+
+    def commit(self, v: Verdict, res) -> None:
+        b, emit = self.policy, min(len(v.kept) + 1, self.cand.n - self.t)
+        for key, x in zip(self.record, (emit, len(v.kept), self.nodes, 1 + len(self.levels))):  # levels: draft calls
+            self.record[key].append(x)
+        self.cost += self.profile.round_steps(1 + len(self.levels), self.nodes, None if b.chain_loop else self.levels)
+        self.t += emit
+
+
+class OnPath:
+    """The target of a tree trace: a round accepts the deepest on-path picked node whose ancestors are picked."""
+
+    def __init__(self, cand: Candidates):
+        self.cand, self.t = cand, 0
+
+    def verify(self, proposal: TreeProposal, s, res) -> Verdict:
+        tree, t = proposal.tree, self.t
+        acc = accepted(tree, self.cand.on_path[t], proposal.nodes)
+        self.t = t + acc + 1
+        return Verdict([], [0] * acc, 0, len(proposal.nodes), None, None, None, proposal=proposal)
+
+
 def replay_prompt(builder, cand: Candidates, profile) -> dict:
-    """Greedy rounds along y; returns per-round lists (tokens emitted, accepted, nodes, levels) and the cost."""
-    t, rounds = 0, {"tokens": [], "accepted": [], "nodes": [], "levels": []}
-    cost = 0.0
-    while t < cand.n:
-        tree, on = cand.trees[t], cand.on_path[t]
-        picked = builder.pick(tree)
-        acc = accepted(tree, on, picked)
-        levels, nodes = builder.replay_cost(tree, picked)
-        emit = min(acc + 1, cand.n - t)
-        for key, v in zip(rounds, (emit, acc, nodes, 1 + len(levels))):  # levels: draft calls, the root's included
-            rounds[key].append(v)
-        # a chain of the chain loop (`chains`) is priced as one; a tree builder's round as the tree round decode runs
-        cost += profile.round_steps(1 + len(levels), nodes, None if builder.chain_loop else levels)
-        t += emit
-    return {**rounds, "cost": cost}
+    """Greedy rounds along y, in decode.loop's own `rounds`; returns per-round lists (tokens emitted, accepted,
+    nodes, levels) and the cost."""
+    drafter = CandidateTrees(builder, cand, profile)
+    drafter.start([], Sampling())
+    rounds(drafter, OnPath(cand), Sampling(), cand.n, GenResult(tokens=[]))
+    return {**drafter.record, "cost": drafter.cost}
 
 
 def chains(depth: int, profile) -> dict:

@@ -285,7 +285,7 @@ def modeled_ms(row: dict, prof: CostProfile) -> float:
     """
     prompt = int(row.get("prompt_tokens") or prof.context)
     tcalls, dcalls = int(row["target_calls"]), int(row["draft_calls"])
-    if not dcalls:  # target-only
+    if not dcalls and not row.get("rounds"):  # target-only (a prompt-lookup row drafts without model calls)
         return float(prof.prefill_target(prompt) + max(tcalls - 1, 0) * prof.target(1))
     rounds = row.get("rounds") or []
     if row.get("tree_levels") and rounds:

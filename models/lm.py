@@ -226,6 +226,15 @@ def tree_attention(parents: Sequence[int], nodes: Sequence[int], prefix_len: int
     return torch.tensor(positions, dtype=torch.long).to(device), mask.to(device)
 
 
+def target_pass(lm: LM, ids: list[int], cache, last: int, layers=(), **kw):
+    """A verification's call: (logits, the hidden states at `layers` or None when it names none)."""
+    if layers:
+        logits, _, taps = lm(ids, cache, last=last, layers=tuple(layers), **kw)
+        return logits, taps
+    logits, _ = lm(ids, cache, last=last, **kw)
+    return logits, None
+
+
 class Clock:
     """perf_counter that synchronises CUDA first, so timed regions on GPU measure finished work."""
 

@@ -380,8 +380,9 @@ def test_head_pair_mismatch(tmp_path, tiny_pair):
 
 @pytest.mark.real
 def test_real_mbpp_greedy_lossless_chains_and_trees():
-    """≥ 20 real MBPP prompts on the default pair: greedy constant and svip outputs, and the tree builders' (sized
-    on a flat t(n), so they branch), equal target-only token for token.
+    """≥ 20 real MBPP prompts on the default pair: greedy constant and svip outputs — on the student, prompt lookup
+    and student+lookup — and the tree builders' (sized on a flat t(n), so they branch), equal target-only token for
+    token.
 
     In float32: in bf16 the same position computed in a 1-token step and in a 6-token verify pass can differ in the
     last bit and flip a near-tie argmax (3 of 40 runs here), which is numerics, not the algorithm.
@@ -389,6 +390,7 @@ def test_real_mbpp_greedy_lossless_chains_and_trees():
     from omegaconf import OmegaConf
 
     from data_gen.prompts import load_prompts
+    from decode.drafter import for_policy
     from decode.run import tokenize_prompts
     from decode.tree_builders import Eagle2, Sequoia, TreeStatic
     from models.pair import load_pair
@@ -406,6 +408,8 @@ def test_real_mbpp_greedy_lossless_chains_and_trees():
     rank_probs = OmegaConf.load(CONF_DIR / "policy" / "sequoia.yaml").rank_probs
     policies = [build_policy("constant", {}), build_policy("svip", {}), TreeStatic(rank_probs=rank_probs, profile=flat),
                 Sequoia(rank_probs=rank_probs, max_nodes=16, profile=flat), Eagle2(max_nodes=16, profile=flat)]
+    policies += [for_policy(d, pair, build_policy(name, {})) for d in ("lookup", "student+lookup")
+                 for name in ("constant", "svip")]  # prompt lookup and the student falling back on it
     bad, widest = [], 0
     for p, x in zip(prompts, ids):
         ref = autoregressive(pair, x, 16, eos=eos)
@@ -414,7 +418,7 @@ def test_real_mbpp_greedy_lossless_chains_and_trees():
             if isinstance(policy, TreeStatic):
                 widest = max(widest, max(k for k, _ in res.rounds))
             if res.tokens != ref.tokens:
-                bad.append((p.prompt_id, policy.name))
+                bad.append((p.prompt_id, policy.name, getattr(policy, "policy", None)))
     assert len(prompts) == 20 and not bad, bad
     assert widest > len(policies[2].branching)  # more nodes than levels in a round: the static tree branched
 

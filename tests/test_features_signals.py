@@ -31,7 +31,7 @@ def test_draftstep_and_tree_stats_agree_on_a_support():
 
 
 def test_verify_stats_live_replay_and_trace_agree():
-    from decode.loop import _verify_stats
+    from decode.lm_drafters import verify_stats as _verify_stats
     from eval.continuations import Continuation
     from models.distributions import entropy, top2_margin, tvd
     from models.features.trace import verify_columns

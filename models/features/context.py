@@ -16,8 +16,11 @@ class ContextIndex:
       most recent earlier occurrence; lookup_hit = 1[proposal = x], lookup_len = n (0 when no suffix recurs).
     """
 
-    def __init__(self, tokens=()):
+    def __init__(self, tokens=(), counts: bool = False):
         self.toks: list[int] = []
+        # with `counts`: n-gram (n ≤ LOOKUP_N) → {token: times it followed} (decode.lookup's confidence); off for
+        # the features, which read only the latest follower
+        self.counts: dict | None = {} if counts else None
         self.grams: set[tuple] = set()  # every n-gram of C, n = 1..COPY_MAX
         self.follow: dict[tuple, int] = {}  # n-gram (n ≤ LOOKUP_N) → token after its latest occurrence
         self.log: list = []  # undo entries: ("g", gram) added | ("f", key, old value or None)
@@ -35,6 +38,10 @@ class ContextIndex:
             key = tuple(toks[n0 - n :])
             self.log.append(("f", key, self.follow.get(key)))
             self.follow[key] = tok
+            if self.counts is not None:
+                after = self.counts.setdefault(key, {})
+                after[tok] = after.get(tok, 0) + 1
+                self.log.append(("c", key, tok))
         toks.append(tok)
 
     def mark(self) -> tuple[int, int]:
@@ -46,6 +53,8 @@ class ContextIndex:
             entry = self.log.pop()
             if entry[0] == "g":
                 self.grams.discard(entry[1])
+            elif entry[0] == "c":
+                self.counts[entry[1]][entry[2]] -= 1
             elif entry[2] is None:
                 del self.follow[entry[1]]
             else:
@@ -71,4 +80,8 @@ class ContextIndex:
             if prop is not None:
                 return prop, n
         return None, 0
+
+    def followers(self, n: int) -> dict[int, int]:
+        """{token: times it followed} for the context's last n tokens (an index built with `counts=True`)."""
+        return self.counts.get(tuple(self.toks[len(self.toks) - n :]), {})
 
