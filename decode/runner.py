@@ -110,6 +110,7 @@ def run_info(cfg: DictConfig, pair, split: str, summary: dict, profile=None) -> 
         "torch_threads": torch.get_num_threads(), "measured_c": summary["target"].get("measured_c"),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": machine(),
         "policies": [str(p) for p in cfg.policies], "tuned": cfg.get("tuned"),
+        "drafters": [str(d) for d in cfg.drafters] if cfg.get("drafters") else None,
         "params": {k: v.get("params") for k, v in summary.items() if isinstance(v, dict) and v.get("params")},
         "cost_profile": profile.to_dict() if profile is not None else None,
     }

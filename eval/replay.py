@@ -317,6 +317,7 @@ def run(cfg: DictConfig) -> dict:
                      "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                      "tune_rows": sum(len(x.accepted) for x in conts_tune),
                      "eval_rows": sum(len(x.accepted) for x in conts_eval), "pair": man_eval.get("pair_id"),
+                     "drafter": man_eval.get("drafter", "student"),  # whose draft the traces record
                      "grid": grid_cfg},
         "chosen": {**{m.key: {k: m.params.get(k) for k in grid_params(grid_cfg.get(split_spec(m.spec)[0]))}
                       for m in chosen},

@@ -103,6 +103,8 @@ def _settings(run: dict) -> str:
         if run.get(k) is not None:
             v = run[k]
             parts.append(f"{label} {v:.3f}" if isinstance(v, float) and k == "measured_c" else f"{label} {v}")
+    if run.get("drafters"):  # a side-by-side run (decode drafters=[...]); rows are keyed drafter/policy
+        parts.append("drafters " + ", ".join(run["drafters"]))
     if (run.get("draft_files") or {}).get("weights"):
         parts.append(f"draft {run['draft_files']['weights'][:8]}")
     where = ", ".join(x for x in (run.get("machine"), run.get("date")) if x)

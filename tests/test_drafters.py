@@ -139,7 +139,7 @@ def test_drafter_from_a_users_yaml_through_decode(cli, tmp_path):
 
 def test_side_by_side_pairs_each_drafter_with_the_policies_it_runs(cli, tmp_path):
     out = tmp_path / "run"
-    r = cli("decode", "pair=tiny_random", "dataset=mbpp", "split=test", "limit=2", "max_new_tokens=12", "threads=1",
+    r = cli("decode", "pair=tiny_random", "dataset=mbpp", "split=test", "limit=3", "max_new_tokens=12", "threads=1",
             "plots=false", "drafters=[student,lookup,student+lookup]", "policies=[constant,eagle2]", f"out_dir={out}")
     assert r.returncode == 0, r.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
@@ -148,6 +148,14 @@ def test_side_by_side_pairs_each_drafter_with_the_policies_it_runs(cli, tmp_path
     assert "lookup/eagle2 left out" in r.stdout
     assert all(summary[k]["lossless"] is True for k in summary)
     assert summary["lookup/constant"]["measured_c"] < summary["student/constant"]["measured_c"]
+    from eval.drafters_bar import compare
+
+    bar = compare(out, n_resamples=200)  # python -m eval.drafters_bar on the run
+    assert set(bar["drafters"]) == {"student", "lookup", "student+lookup"} and bar["prompts"] == 3
+    assert bar["drafters"]["student"]["vs_reference"] == 1.0
+    lookup = bar["drafters"]["lookup"]
+    assert lookup["best"] == "lookup/constant" and lookup["vs_reference"] == pytest.approx(
+        summary["lookup/constant"]["tokens_per_s"] / summary[bar["drafters"]["student"]["best"]]["tokens_per_s"], rel=1e-4)
 
 
 def test_unknown_drafter_and_a_pairing_that_does_not_go_are_one_line(cli, tiny_pair):

@@ -38,6 +38,7 @@ WRITERS = [
     ("eval.tree_sweep", ("eval/tree_sweep.py",), ("tree_sweep.json", "tree_sweep.md", "tree_sweep.png")),
     ("eval.tree_bar", ("eval/tree_bar.py", "conf/tree_bar.yaml"), ("bar.json", "bar.md")),
     ("eval.bar", ("eval/bar.py", "conf/bar.yaml"), ("bar.json",)),
+    ("eval.drafters_bar", ("eval/drafters_bar.py",), ("drafters.json", "drafters.md")),
 ]
 
 
