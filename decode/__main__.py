@@ -9,7 +9,7 @@ decode/run.py, tune.py and report.py), writes DIR/summary.json, a Markdown table
 from utils.cli import hydra_entry, output_dir
 
 
-@hydra_entry("decode", open_dicts=("policy",))  # policy.<name>.<param>=V for a yaml read lazily
+@hydra_entry("decode", open_dicts=("policy", "drafter"))  # policy.<name>.<param>=V for a yaml read lazily
 def main(cfg):
     from decode import wandb_log
     from decode.runner import main as run

@@ -119,10 +119,19 @@ def run_split(pair, prompts, methods: list[Method], profile, d: Decoding, desc: 
 
 
 def _drafters(pair, methods: list[Method], profile) -> dict:
-    """A fresh drafter (with a fresh policy) per method, keyed like the tables."""
-    return {m.key: for_policy(m.drafter or "student", pair,
-                              build_policy(m.spec, m.params, pair=pair, profile=profile, target=m.target),
-                              m.drafter_params) for m in methods}
+    """A fresh drafter (with a fresh policy) per method, keyed like the tables. A policy that reads the cost profile
+    reads its drafter's (`Drafter.profile_of`: prompt lookup's draft steps are free, EAGLE-3's its own)."""
+    out = {}
+    for m in methods:
+        name = m.drafter or "student"
+        pol = build_policy(m.spec, m.params, pair=pair, profile=profile, target=m.target)
+        dr = for_policy(name, pair, pol, m.drafter_params)
+        own = dr.profile_of(profile)
+        if own is not profile and type(pol).wants_profile(m.params, getattr(pol, "bundle", None)):
+            dr = for_policy(name, pair, build_policy(m.spec, m.params, pair=pair, profile=own, target=m.target),
+                            m.drafter_params)
+        out[m.key] = dr
+    return out
 
 
 def _approx(drafter) -> bool:

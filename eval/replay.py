@@ -333,7 +333,7 @@ def run(cfg: DictConfig) -> dict:
     return result
 
 
-@hydra_entry("replay", open_dicts=("policy",))
+@hydra_entry("replay", open_dicts=("policy", "drafter"))
 def main(cfg: DictConfig) -> None:
     with wandb_log.session(cfg, output_dir(cfg.replay.get("out_dir")), "replay"):  # logger=wandb: offline W&B run
         run(cfg)

@@ -1,0 +1,198 @@
+"""The EAGLE-3 draft (models.eagle3): training-time test computes what drafting computes, step for step; saving and
+loading keep it; the drafter (decode.eagle3) is lossless greedy and in law, with chains and stop policies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models.eagle3 import Eagle3, Eagle3Cache
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def draft_for(pair, seed: int = 0, n_ids: int = 60) -> Eagle3:
+    torch.manual_seed(seed)
+    ids = torch.randperm(pair.vocab_size)[:n_ids]
+    model = Eagle3.from_target(pair.target, ids).float().eval()
+    with torch.no_grad():  # a random draft, but not a silent one: scale the head up so its choices vary
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+def target_features(pair, model, seq: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        hs = pair.target(torch.tensor([seq]), output_hidden_states=True).hidden_states
+    return torch.stack([hs[i][0] for i in model.cfg.layers], 1)  # (T, 3, H)
+
+
+def test_ttt_steps_equal_drafting_with_a_cache(tiny_pair):
+    """Step j of forward_steps at row i = drafting j tokens after the true-feature prefix through row i: the cache
+    holds rows 0..i (true features), then the chain feeds its own outputs back."""
+    model = draft_for(tiny_pair)
+    seq = tiny_pair.tokenizer.encode("def add(a, b):\n    return a + b\nprint(add(1, 2))", add_special_tokens=False)
+    T, steps = len(seq), 3
+    feats = target_features(tiny_pair, model, seq)
+    with torch.no_grad():
+        ttt = [model.logits(h) for h in model.forward_steps(torch.tensor([seq]), feats[None], steps)]
+        fused = model.fuse(feats)
+        for i in (0, 3, T - 5):
+            cache = Eagle3Cache()
+            out = model.step(torch.tensor(seq[1 : i + 2]), fused[: i + 1], cache)[-1:]  # rows 0..i, true features
+            assert torch.allclose(model.logits(out)[0], ttt[0][0, i], atol=1e-5)
+            for j in range(1, steps):
+                out = model.step(torch.tensor([seq[i + 1 + j]]), out, cache)
+                assert torch.allclose(model.logits(out)[0], ttt[j][0, i], atol=1e-5), (i, j)
+
+
+def test_save_and_load_keep_the_draft(tiny_pair, tmp_path):
+    model = draft_for(tiny_pair, seed=1)
+    path = model.save(tmp_path / "e3.safetensors", {"command": "test"})
+    back = Eagle3.load(path, tiny_pair.target).float()
+    seq = tiny_pair.tokenizer.encode("The quick brown fox", add_special_tokens=False)
+    feats = target_features(tiny_pair, model, seq)[None]
+    with torch.no_grad():
+        a = [model.logits(h) for h in model.forward_steps(torch.tensor([seq]), feats, 2)]
+        b = [back.logits(h) for h in back.forward_steps(torch.tensor([seq]), feats, 2)]
+    assert torch.equal(model.ids, back.ids)
+    assert all(torch.allclose(x, y, atol=0.05) for x, y in zip(a, b))  # bf16 storage
+    with pytest.raises(Exception, match="not found"):
+        Eagle3.load(tmp_path / "missing.safetensors", tiny_pair.target)
+
+
+@pytest.fixture(scope="module")
+def tiny_responses(tmp_path_factory, tiny_pair):
+    """A response shard as train.distill_data commits it: the tiny target's own greedy continuations."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from decode.loop import autoregressive
+
+    folder = tmp_path_factory.mktemp("responses") / "tiny-responses"
+    folder.mkdir()
+    rows = {"prompt_id": [], "source": [], "temperature": [], "ids": [], "start": []}
+    words = "def add return print the quick brown fox for in range list x y 1 2 3".split()
+    for i in range(60):
+        prompt = tiny_pair.tokenizer.encode(" ".join(words[(i * 7 + j) % len(words)] for j in range(5 + i % 7)),
+                                            add_special_tokens=False)
+        out = autoregressive(tiny_pair, prompt, 40).tokens
+        for key, v in (("prompt_id", f"p{i}"), ("source", "mbpp" if i % 2 else "wikitext_qa"), ("temperature", 0.0),
+                       ("ids", prompt + out), ("start", len(prompt))):
+            rows[key].append(v)
+    pq.write_table(pa.table(rows), folder / "shard-00000.parquet")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_responses, tmp_path_factory):
+    """An EAGLE-3 draft of the tiny target trained for 60 steps by python -m train.eagle (it agrees with the target
+    on some tokens, so drafted tokens are both accepted and rejected)."""
+    from tests.conftest import run_cli
+
+    d = tmp_path_factory.mktemp("eagle3")
+    r = run_cli("train.eagle", "pair=tiny_random", f"data.folders=[{tiny_responses}]", "data.min_positions=100",
+                "train.batch_tokens=600", "train.warmup_steps=5", "train.lr=3e-3", "data.heldout_pct=20", "threads=1",
+                f"run_dir={d / 'run'}", f"out={d / 'e3.safetensors'}", "train.max_steps=60")
+    assert r.returncode == 0, r.stderr[-2000:]
+    return d / "e3.safetensors"
+
+
+@pytest.fixture
+def eagle3_drafter(tiny_pair, trained):
+    from decode.drafter import build_drafter
+
+    path = trained
+
+    def make(policy):
+        return build_drafter("eagle3", tiny_pair, policy, {"weights": str(path)})
+
+    return make
+
+
+def test_eagle3_chains_are_lossless_with_every_chain_policy(tiny_pair, eagle3_drafter):
+    from decode.loop import autoregressive, speculative
+    from decode.policies import build_policy
+
+    eos = {tiny_pair.tokenizer.eos_token_id}
+    drafted = accepted = 0
+    for text in ("def add(a, b):\n    return", "The quick brown fox", "1, 2, 3, 1, 2, 3"):
+        ids = tiny_pair.tokenizer.encode(text, add_special_tokens=False)
+        ref = autoregressive(tiny_pair, ids, 30, eos=eos)
+        for name, params in (("constant", {"k": 4}), ("svip", {}), ("max_confidence", {}), ("oracle", {}),
+                             ("expected_value", {"score": "max_q"})):
+            pol = build_policy(name, params, pair=tiny_pair)
+            res = speculative(tiny_pair, ids, eagle3_drafter(pol), 30, eos=eos, lookahead=ref.tokens)
+            assert res.tokens == ref.tokens, (name, text)
+            assert res.rounds[0] == (0, 0)  # the prefill round drafts nothing: no features yet
+            drafted, accepted = drafted + res.drafted, accepted + res.accepted
+    assert drafted > accepted > 0
+
+
+def test_eagle3_sampling_matches_target_law(tiny_pair, eagle3_drafter):
+    """T = 1: the first two tokens follow the target's joint law; the second is drafted by EAGLE-3 (3 new tokens:
+    round 1 is the prefill, round 2 drafts one token and verifies it)."""
+    import numpy as np
+    from scipy.stats import chisquare
+
+    from decode.loop import speculative
+    from decode.policies import build_policy
+    from models.distributions import draft_probs
+
+    ids = tiny_pair.tokenizer.encode("The quick brown fox", add_special_tokens=False)
+    with torch.no_grad():
+        base = torch.tensor([ids])
+        p1 = draft_probs(tiny_pair.target(base).logits[0, -1, : tiny_pair.vocab_size], 1.0)
+        v = p1.shape[0]
+        batch = torch.cat([base.repeat(v, 1), torch.arange(v).view(v, 1)], 1)
+        p2 = draft_probs(tiny_pair.target(batch).logits[:, -1, : tiny_pair.vocab_size], 1.0)
+    joint = (p1.view(v, 1) * p2).double()
+    drafter = eagle3_drafter(build_policy("constant", {"k": 3}))
+    n, counts, drafted = 800, torch.zeros(v, v, dtype=torch.float64), 0
+    for s in range(n):
+        res = speculative(tiny_pair, ids, drafter, 3, temperature=1.0, generator=torch.Generator().manual_seed(s))
+        counts[res.tokens[0], res.tokens[1]] += 1
+        drafted += res.drafted
+    assert drafted == n  # every run drafted the second token
+    expected = joint * n
+    big = expected >= 15
+    obs = np.append(counts[big].numpy(), counts[~big].sum().item())
+    exp = np.append(expected[big].numpy(), expected[~big].sum().item())
+    assert big.sum() >= 3
+    assert chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 1e-3
+
+
+def test_train_eagle_learns_resumes_and_decodes_losslessly(cli, tiny_responses, tmp_path):
+    import json
+
+    out, run = tmp_path / "e3.safetensors", tmp_path / "run"
+    args = ["train.eagle", "pair=tiny_random", f"data.folders=[{tiny_responses}]", "data.min_positions=100",
+            "train.batch_tokens=600", "train.warmup_steps=5", "train.lr=3e-3", "data.heldout_pct=20", "threads=1",
+            f"run_dir={run}", f"out={out}"]
+    r = cli(*args, "train.max_steps=30")
+    assert r.returncode == 0, r.stderr[-2000:]
+    first = json.loads(out.with_suffix(".train.json").read_text())
+    assert first["steps"] == 30 and first["ttt_steps"] == 3
+    assert set(first["heldout_top1_agreement_by_step"]) >= {"all", "code", "qa"}
+    assert len(first["heldout_top1_agreement_by_step"]["all"]) == 5
+    import pandas as pd
+
+    def losses():
+        return pd.read_csv(run / "csv" / "metrics.csv").dropna(subset=["train/loss"])["train/loss"]
+
+    start = losses().iloc[:2].mean()
+    r = cli(*args, "train.max_steps=60")  # the same run, continued
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "resuming from" in r.stdout
+    second = json.loads(out.with_suffix(".train.json").read_text())
+    assert second["steps"] == 60
+    assert losses().iloc[-2:].mean() < start  # it learns, across the resume
+    dec = tmp_path / "dec"
+    r = cli("decode", "pair=tiny_random", "dataset=mbpp", "split=test", "limit=3", "max_new_tokens=24", "threads=1",
+            "plots=false", "drafters=[eagle3,student]", "policies=[constant,svip]", f"drafter.eagle3.weights={out}",
+            f"out_dir={dec}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    summary = json.loads((dec / "summary.json").read_text())
+    assert all(summary[k]["lossless"] is True for k in ("eagle3/constant", "eagle3/svip"))
+    assert summary["eagle3/constant"]["acceptance_rate"] > 0
+    assert summary["eagle3/constant"]["measured_c"] != summary["student/constant"]["measured_c"]

@@ -1,0 +1,203 @@
+"""`python -m train.eagle`: train the EAGLE-3 draft of a pair's target (models.eagle3) with training-time test.
+
+    python -m train.eagle [pair=smollm2_135m] [train.max_steps=N] [train.ttt_steps=3] [name=RUN] [logger=wandb]
+
+Data: the target's own responses that `python -m train.distill_data` made and committed as token ids
+(`data.folders`, data/distill/responses*/: greedy and T = 1 answers to code, chat, QA, summarisation, translation and
+maths prompts, never a test prompt), each sequence's response positions the training targets. The target runs on
+every batch (no cache on disk): its hidden states at the draft's three layers are the features, its softmax the
+soft labels. A fixed share of prompts (`data.heldout_pct`, by a hash of the prompt id, so every answer to a prompt
+sits on one side) is held out for the agreement table.
+
+Training: AdamW with warmup and cosine decay, `train.ttt_steps` TTT steps (models.eagle3.forward_steps), Lightning
+with a checkpoint every `train.ckpt_minutes` under logs/eagle/<name>/; a rerun with the same name resumes it (the
+batch order is a function of the seed and the epoch, and a resumed epoch skips the batches it already did). At the
+end the draft is saved to `out` (safetensors; metadata: the command, data, steps and the held-out top-1 agreement per
+drafting step 1..5 per domain), with the same numbers in `<out>.train.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from utils.cli import UserError, hydra_entry
+
+
+def domain_of(source: str, domains: dict) -> str:
+    """A response's domain (conf/eagle.yaml `data.domains`: source-name prefix → domain), else its source."""
+    for prefix, dom in domains.items():
+        if source.startswith(prefix):
+            return str(dom)
+    return source
+
+
+def load_sequences(cfg: DictConfig) -> list[dict]:
+    """Every committed response sequence of `data.folders` (token ids with their response start)."""
+    import pyarrow.parquet as pq
+
+    from models.student import REPO_ROOT
+
+    items, domains = [], dict(cfg.data.domains or {})
+    for folder in cfg.data.folders:
+        path = Path(str(folder))
+        path = path if path.is_absolute() else REPO_ROOT / path
+        files = sorted(path.glob("shard-*.parquet"))
+        if not files:
+            raise UserError(f"data.folders: {path} holds no shard-*.parquet; make it with python -m train.distill_data")
+        for f in files:
+            t = pq.read_table(f).to_pydict()
+            for ids, start, src, pid in zip(t["ids"], t["start"], t["source"], t["prompt_id"]):
+                if len(ids) - int(start) > 0:
+                    items.append({"ids": ids[: int(cfg.data.max_len)], "start": int(start), "source": src,
+                                  "prompt_id": pid, "domain": domain_of(src, domains)})
+    return [it for it in items if it["start"] < len(it["ids"])]
+
+
+def split(items: list[dict], pct: float) -> tuple[list[dict], list[dict]]:
+    """(train, held out): a prompt's answers fall on one side, by a stable hash of its id."""
+    held = [zlib.crc32(str(it["prompt_id"]).encode()) % 10000 < pct * 100 for it in items]
+    return [it for it, h in zip(items, held) if not h], [it for it, h in zip(items, held) if h]
+
+
+class ResumableBatches(torch.utils.data.Sampler):
+    """Length-bucketed batches in an order fixed by (seed, epoch); `skip` batches are left out at the start of the
+    epoch (set by `EpochPosition` from the restored step), so a resumed run does not repeat the ones it did."""
+
+    def __init__(self, lengths: list[int], tokens: int, seed: int):
+        order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+        self.batches, cur, width = [], [], 0
+        for i in order:
+            width = max(width, lengths[i])
+            if cur and width * (len(cur) + 1) > tokens:
+                self.batches.append(cur)
+                cur, width = [], lengths[i]
+            cur.append(i)
+        if cur:
+            self.batches.append(cur)
+        self.seed, self.epoch, self.skip = seed, 0, 0
+
+    def __iter__(self):
+        batches = list(self.batches)
+        random.Random(self.seed * 1000003 + self.epoch).shuffle(batches)
+        return iter(batches[self.skip :])
+
+    def __len__(self):
+        return len(self.batches) - self.skip
+
+
+def positions(items: list[dict]) -> int:
+    return sum(len(it["ids"]) - it["start"] for it in items)
+
+
+def subset_ids(pair) -> torch.Tensor:
+    """The draft's reduced vocabulary: the pair's draft's (FR-Spec) subset, else the whole vocabulary."""
+    from models.lm import LM
+
+    support = LM.of(pair, "draft").support
+    return support.cpu() if support is not None else torch.arange(pair.vocab_size)
+
+
+def _fit(cfg: DictConfig, pair, draft, train: list[dict], run_dir: Path):
+    from lightning import Callback, Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
+    from datetime import timedelta
+
+    from train.eagle_module import EagleModule, collate
+    from train.job import make_loggers
+
+    t = cfg.train
+    sampler = ResumableBatches([len(it["ids"]) for it in train], int(t.batch_tokens), int(cfg.seed))
+
+    class EpochPosition(Callback):
+        def on_train_epoch_start(self, trainer, module):
+            sampler.epoch = trainer.current_epoch
+            sampler.skip = trainer.global_step - trainer.current_epoch * len(sampler.batches)
+
+    loader = torch.utils.data.DataLoader(train, batch_sampler=sampler,
+                                         collate_fn=lambda b: collate(b, pair.tokenizer.pad_token_id))
+    ckpt = ModelCheckpoint(dirpath=run_dir / "checkpoints", save_last=True, save_top_k=0,
+                           train_time_interval=timedelta(minutes=float(t.ckpt_minutes)))
+    from train.distill import train_precision
+
+    trainer = Trainer(accelerator="cuda" if pair.device.type == "cuda" else "cpu", devices=1,
+                      precision=train_precision(t, pair),
+                      max_steps=int(t.max_steps), max_time={"minutes": float(t.max_minutes)} if t.get("max_minutes")
+                      else None, gradient_clip_val=float(t.grad_clip), logger=make_loggers(cfg, run_dir),
+                      callbacks=[EpochPosition(), ckpt, TQDMProgressBar(refresh_rate=10)], log_every_n_steps=10,
+                      num_sanity_val_steps=0, use_distributed_sampler=False, enable_model_summary=False,
+                      reload_dataloaders_every_n_epochs=1, default_root_dir=str(run_dir))
+    last = run_dir / "checkpoints" / "last.ckpt"
+    resume = last if last.is_file() and cfg.get("resume", True) else None
+    if resume is not None:
+        print(f"resuming from {resume}", flush=True)
+    trainer.fit(EagleModule(draft, pair.target, t), loader, ckpt_path=str(resume) if resume else None)
+    if trainer.global_step < int(t.max_steps):  # stopped by the time budget: keep exactly where it stands
+        trainer.save_checkpoint(str(last))
+    return trainer
+
+
+def heldout_batches(pair, held: list[dict], cfg: DictConfig) -> list[dict]:
+    from train.eagle_module import collate
+
+    per = int(cfg.data.heldout_per_domain)
+    by: dict[str, list[dict]] = {}
+    for it in held:
+        if len(by.setdefault(it["domain"], [])) < per:
+            by[it["domain"]].append(it)
+    rows = sorted((it for v in by.values() for it in v), key=lambda it: len(it["ids"]))
+    size = max(1, int(cfg.train.batch_tokens) // max(len(rows[-1]["ids"]) if rows else 1, 1))
+    return [collate(rows[i : i + size], pair.tokenizer.pad_token_id) for i in range(0, len(rows), size)]
+
+
+def run(cfg: DictConfig) -> dict:
+    from models.eagle3 import Eagle3
+    from models.pair import load_pair
+    from train.eagle_module import agreement
+
+    torch.manual_seed(int(cfg.seed))
+    if cfg.get("threads"):
+        torch.set_num_threads(int(cfg.threads))
+    items = load_sequences(cfg)
+    train, held = split(items, float(cfg.data.heldout_pct))
+    n_pos = positions(train)
+    print(f"train.eagle: {len(train)} sequences, {n_pos:,} response positions; {len(held)} held out", flush=True)
+    if n_pos < int(cfg.data.min_positions):
+        raise UserError(f"data.folders give {n_pos:,} training positions, fewer than data.min_positions="
+                        f"{cfg.data.min_positions}; add folders or lower data.min_positions")
+    pair = load_pair(cfg.pair)
+    for p in pair.target.parameters():
+        p.requires_grad_(False)
+    run_dir = Path(str(cfg.run_dir))
+    draft = Eagle3.from_target(pair.target, subset_ids(pair), cfg.model.get("layers")).float().to(pair.device)
+    t0 = time.time()
+    trainer = _fit(cfg, pair, draft, train, run_dir)
+    agree = agreement(draft, pair.target, heldout_batches(pair, held, cfg), steps=int(cfg.eval_steps))
+    info = {"command": "python -m train.eagle " + " ".join(sys.argv[1:]), "pair": pair.pair_id,
+            "data": {"folders": [str(f) for f in cfg.data.folders], "sequences": len(train), "positions": n_pos,
+                     "heldout_sequences": len(held)},
+            "steps": int(trainer.global_step), "ttt_steps": int(cfg.train.ttt_steps),
+            "layers": list(draft.cfg.layers), "vocab_subset": len(draft.ids), "train_minutes": (time.time() - t0) / 60,
+            "heldout_top1_agreement_by_step": agree,
+            "config": OmegaConf.to_container(cfg.train, resolve=True)}
+    out = Path(str(cfg.out))
+    draft.save(out, info)
+    out.with_suffix(".train.json").write_text(json.dumps(info, indent=1))
+    print(json.dumps({"out": str(out), "heldout_top1_agreement_by_step": agree}, indent=1))
+    return info
+
+
+@hydra_entry("eagle")
+def main(cfg: DictConfig) -> None:
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()
