@@ -165,3 +165,18 @@ def test_unknown_drafter_and_a_pairing_that_does_not_go_are_one_line(cli, tiny_p
         for_policy("lookup", tiny_pair, build_policy("eagle2", {}, pair=tiny_pair))
     with pytest.raises(Exception, match="min_ngram"):
         build_drafter("lookup", tiny_pair, None, {"min_ngram": 5})
+
+
+def test_a_profile_reading_policy_reads_its_drafters_profile(tiny_pair):
+    """The expected-value rule prices a round on its drafter's profile: a lookup round's draft steps cost nothing,
+    so it is cheaper than a student round of the same length."""
+    from decode.methods import Method
+    from decode.run import _drafters
+    from models.profiling import get_profile
+
+    prof = get_profile(tiny_pair)
+    methods = [Method(f"{d}/expected_value", "expected_value", {"score": "max_q"}, "decode.expected_value.ExpectedValue",
+                      drafter=d) for d in ("student", "lookup")]
+    built = _drafters(tiny_pair, methods, prof)
+    student, lookup = (built[f"{d}/expected_value"].policy.rule.time for d in ("student", "lookup"))
+    assert lookup[3] == pytest.approx(prof.round_steps(0, 3)) and lookup[3] < student[3]
