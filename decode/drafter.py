@@ -85,6 +85,7 @@ class Chain(Proposal):
     qs: list = None
     stopped: bool = False
     source: object = None  # the drafter that proposed it (a composite drafter's parts tell theirs apart)
+    approximate = False  # a class attribute, not a field: ApproxChain's verification keeps tokens unchecked
 
     def __post_init__(self):
         self.qs = [] if self.qs is None else self.qs
@@ -99,8 +100,6 @@ class Chain(Proposal):
             tcache.crop(-(k - n))
         hidden = None if taps is None else taps[:, : len(t_pending) + n]
         return Verdict(list(range(n)), self.tokens[:n], nxt, k, p, logits, logits[n], hidden, self)
-
-    approximate = False
 
     def accept(self, logits, p, s: Sampling, res) -> tuple[int, int]:
         """Exact verification (lossless): greedy, or Leviathan et al.'s rejection sampling."""
