@@ -44,6 +44,14 @@ class Sampling:
     def greedy(self) -> bool:
         return not (self.temperature and self.temperature > 0)
 
+    def draw(self, z: torch.Tensor, want_q: bool) -> tuple[torch.Tensor | None, int]:
+        """(q, token) from a draft's logits z (V,): the argmax under greedy (q only when `want_q`), else a sample
+        from q at this temperature and top-p — the one draw every model drafter makes."""
+        if self.greedy:
+            return (draft_probs(z, 0.0) if want_q else None), int(greedy_ids(z))
+        q = draft_probs(z, self.temperature, self.top_p)
+        return q, int(torch.multinomial(q, 1, generator=self.generator))
+
 
 @dataclass
 class Verdict:

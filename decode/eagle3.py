@@ -21,7 +21,6 @@ import torch
 
 from decode.drafter import Chain, Drafter, Sampling, Verdict
 from decode.lm_drafters import Student
-from models.distributions import draft_probs, greedy_ids
 from models.eagle3 import Eagle3, Eagle3Cache
 from models.features.signals import DraftStep
 
@@ -116,13 +115,7 @@ class Eagle3Drafter(Drafter):
         self.base = self.cache.length  # true-feature positions; the chain's are dropped at commit
         res.draft_calls += 1
         for j in range(min(self.max_len, budget)):
-            z = self._full(m.logits(out)[0])
-            if s.greedy:
-                q = draft_probs(z, 0.0) if self.want_q else None
-                tok = int(greedy_ids(z))
-            else:
-                q = draft_probs(z, s.temperature, s.top_p)
-                tok = int(torch.multinomial(q, 1, generator=s.generator))
+            q, tok = s.draw(self._full(m.logits(out)[0]), self.want_q)
             te = now()
             res.draft_s += te - ts
             rnd.tokens.append(tok)

@@ -15,7 +15,7 @@ import time
 import torch
 
 from decode.drafter import ApproxChain, Chain, Drafter, Sampling, TreeProposal, Verdict
-from models.distributions import draft_probs, greedy_ids, verification_stats
+from models.distributions import verification_stats
 from models.features.context import ContextIndex
 from models.features.signals import DraftStep, VerifyStats, compared
 from models.lm import LM
@@ -77,13 +77,7 @@ class Student(Drafter):
         for j in range(min(self.max_len, budget)):
             ts = now()
             logits, hidden = draft(inp, self.cache, last=1)
-            z = logits[0]
-            if s.greedy:
-                q = draft_probs(z, 0.0) if self.want_q else None
-                tok = int(greedy_ids(z))
-            else:
-                q = draft_probs(z, s.temperature, s.top_p)
-                tok = int(torch.multinomial(q, 1, generator=s.generator))
+            q, tok = s.draw(logits[0], self.want_q)
             te = now()
             res.draft_s += te - ts
             res.draft_calls += 1

@@ -50,3 +50,31 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600) -> subproce
 @pytest.fixture
 def cli():
     return run_cli
+
+
+def two_token_law(pair, ids: list[int], temperature: float = 1.0):
+    """The target's joint law of the next two tokens after `ids`, p(t1)·p(t2 | t1), as a (V, V) float64 tensor:
+    what exact speculative sampling must reproduce (the χ² tests)."""
+    import torch
+
+    from models.distributions import draft_probs
+
+    with torch.no_grad():
+        base = torch.tensor([ids])
+        p1 = draft_probs(pair.target(base).logits[0, -1, : pair.vocab_size], temperature)
+        v = p1.shape[0]
+        batch = torch.cat([base.repeat(v, 1), torch.arange(v).view(v, 1)], 1)
+        p2 = draft_probs(pair.target(batch).logits[:, -1, : pair.vocab_size], temperature)
+    return (p1.view(v, 1) * p2).double()
+
+
+def law_chisquare(counts, joint, n: int) -> tuple[int, float]:
+    """(bins, p-value) of observed (t1, t2) counts against `joint`: bins with expected count ≥ 15, plus one 'rest'."""
+    import numpy as np
+    from scipy.stats import chisquare
+
+    expected = joint * n
+    big = expected >= 15
+    obs = np.append(counts[big].numpy(), counts[~big].sum().item())
+    exp = np.append(expected[big].numpy(), expected[~big].sum().item())
+    return int(big.sum()), float(chisquare(obs, exp * obs.sum() / exp.sum()).pvalue)

@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from decode.drafter import Chain, Drafter, build_drafter, for_policy
 from decode.loop import autoregressive, speculative
 from decode.policies import build_policy
-from models.distributions import draft_probs
+from tests.conftest import law_chisquare, two_token_law
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -49,13 +47,8 @@ def test_lookup_sampling_matches_target_joint_law(tiny_pair):
     """T = 1: the first two tokens follow p(t1)·p(t2 | t1) with prompt lookup drafting (point-mass proposals; a
     loop that kept them unchecked would emit the proposal every time, where p gives it 0.5%)."""
     ids = ids_of(tiny_pair, "The quick brown fox The quick brown fox")
-    with torch.no_grad():
-        base = torch.tensor([ids])
-        p1 = draft_probs(tiny_pair.target(base).logits[0, -1, : tiny_pair.vocab_size], 1.0)
-        v = p1.shape[0]
-        batch = torch.cat([base.repeat(v, 1), torch.arange(v).view(v, 1)], 1)
-        p2 = draft_probs(tiny_pair.target(batch).logits[:, -1, : tiny_pair.vocab_size], 1.0)
-    joint = (p1.view(v, 1) * p2).double()
+    joint = two_token_law(tiny_pair, ids)
+    v = joint.shape[0]
     n, counts, drafted = 1000, torch.zeros(v, v, dtype=torch.float64), 0
     drafter = for_policy("lookup", tiny_pair, build_policy("constant", {"k": 3}))
     for s in range(n):
@@ -63,12 +56,9 @@ def test_lookup_sampling_matches_target_joint_law(tiny_pair):
         counts[res.tokens[0], res.tokens[1]] += 1
         drafted += res.drafted
     assert drafted >= n  # the lookup proposed in every run (the prompt repeats itself)
-    expected = joint * n
-    big = expected >= 15
-    obs = np.append(counts[big].numpy(), counts[~big].sum().item())
-    exp = np.append(expected[big].numpy(), expected[~big].sum().item())
-    assert big.sum() >= 5
-    assert chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 1e-3
+    bins, pvalue = law_chisquare(counts, joint, n)
+    assert bins >= 5
+    assert pvalue > 1e-3
 
 
 class Toy(Drafter):

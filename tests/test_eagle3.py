@@ -132,21 +132,13 @@ def test_eagle3_chains_are_lossless_with_every_chain_policy(tiny_pair, eagle3_dr
 def test_eagle3_sampling_matches_target_law(tiny_pair, eagle3_drafter):
     """T = 1: the first two tokens follow the target's joint law; the second is drafted by EAGLE-3 (3 new tokens:
     round 1 is the prefill, round 2 drafts one token and verifies it)."""
-    import numpy as np
-    from scipy.stats import chisquare
-
     from decode.loop import speculative
     from decode.policies import build_policy
-    from models.distributions import draft_probs
+    from tests.conftest import law_chisquare, two_token_law
 
     ids = tiny_pair.tokenizer.encode("The quick brown fox", add_special_tokens=False)
-    with torch.no_grad():
-        base = torch.tensor([ids])
-        p1 = draft_probs(tiny_pair.target(base).logits[0, -1, : tiny_pair.vocab_size], 1.0)
-        v = p1.shape[0]
-        batch = torch.cat([base.repeat(v, 1), torch.arange(v).view(v, 1)], 1)
-        p2 = draft_probs(tiny_pair.target(batch).logits[:, -1, : tiny_pair.vocab_size], 1.0)
-    joint = (p1.view(v, 1) * p2).double()
+    joint = two_token_law(tiny_pair, ids)
+    v = joint.shape[0]
     drafter = eagle3_drafter(build_policy("constant", {"k": 3}))
     n, counts, drafted = 800, torch.zeros(v, v, dtype=torch.float64), 0
     for s in range(n):
@@ -154,12 +146,9 @@ def test_eagle3_sampling_matches_target_law(tiny_pair, eagle3_drafter):
         counts[res.tokens[0], res.tokens[1]] += 1
         drafted += res.drafted
     assert drafted == n  # every run drafted the second token
-    expected = joint * n
-    big = expected >= 15
-    obs = np.append(counts[big].numpy(), counts[~big].sum().item())
-    exp = np.append(expected[big].numpy(), expected[~big].sum().item())
-    assert big.sum() >= 3
-    assert chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 1e-3
+    bins, pvalue = law_chisquare(counts, joint, n)
+    assert bins >= 3
+    assert pvalue > 1e-3
 
 
 def test_train_eagle_learns_resumes_and_decodes_losslessly(cli, tiny_responses, tmp_path):
