@@ -44,13 +44,20 @@ class Sampling:
     def greedy(self) -> bool:
         return not (self.temperature and self.temperature > 0)
 
-    def draw(self, z: torch.Tensor, want_q: bool) -> tuple[torch.Tensor | None, int]:
+    def draw(self, z: torch.Tensor, want_q: bool, ids: torch.Tensor | None = None,
+             vocab: int | None = None) -> tuple[torch.Tensor | None, int]:
         """(q, token) from a draft's logits z (V,): the argmax under greedy (q only when `want_q`), else a sample
-        from q at this temperature and top-p — the one draw every model drafter makes."""
+        from q at this temperature and top-p — the one draw every model drafter makes. With `ids` (sorted) z scores
+        only those tokens of a `vocab`-wide vocabulary (a reduced head): the same law as −inf logits elsewhere
+        (q is 0 there; the first maximum is the same token), without a softmax over the whole vocabulary."""
         if self.greedy:
-            return (draft_probs(z, 0.0) if want_q else None), int(greedy_ids(z))
-        q = draft_probs(z, self.temperature, self.top_p)
-        return q, int(torch.multinomial(q, 1, generator=self.generator))
+            q, tok = (draft_probs(z, 0.0) if want_q else None), int(greedy_ids(z))
+        else:
+            q = draft_probs(z, self.temperature, self.top_p)
+            tok = int(torch.multinomial(q, 1, generator=self.generator))
+        if ids is None:
+            return q, tok
+        return (None if q is None else q.new_zeros(vocab).index_copy_(0, ids, q)), int(ids[tok])
 
 
 @dataclass
@@ -165,6 +172,7 @@ class Drafter:
     name = "base"
     layers: tuple[int, ...] = ()
     greedy_only = False
+    params_of: str | None = None  # a drafter it runs for (by `delegate`) whose `drafter.<name>.*` parameters it takes
 
     def __init__(self, policy=None, max_len: int | None = None):
         self.policy = policy
@@ -251,10 +259,12 @@ def for_policy(name: str, pair, policy, params: dict | None = None, cfg=None) ->
     hands a tree builder to `tree`); one error line when the two do not go together."""
     cls = check_drafter(name, cfg)
     runner = cls.delegate(type(policy)) or name
-    why = check_drafter(runner, cfg).runs(type(policy))
+    runner_cls = check_drafter(runner, cfg)
+    why = runner_cls.runs(type(policy))
     if why:
         raise UserError(f"drafter '{name}' does not run policy '{getattr(policy, 'name', policy)}': {why}")
-    return build_drafter(runner, pair, policy, params if runner == name else None, cfg)
+    own = runner == name or runner_cls.params_of == name  # EAGLE-3's trees take its weights
+    return build_drafter(runner, pair, policy, params if own else None, cfg)
 
 
 def runner_of(name: str, policy_cls, cfg=None) -> tuple[str | None, str | None]:

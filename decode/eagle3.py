@@ -1,5 +1,6 @@
 """The EAGLE-3 drafter (`drafters=[eagle3]`): chains from one decoder layer on the target's own features
-(models.eagle3), under any chain stop policy.
+(models.eagle3), under any chain stop policy — and token trees under any tree builder (`Eagle3Tree`, which
+`eagle3` hands a builder to, as the student hands one to `tree`).
 
 It names the target layers it reads (`layers`), so every verification hands it the target's hidden states there,
 at the pending token(s) and the accepted path. The first round proposes nothing: the target's prefill gives the
@@ -10,6 +11,10 @@ positions (they were run on the draft's features, not the target's) and the comm
 with their true features — so a drafted position is never kept on a guessed feature.
 
 `DraftStep.hidden` is the layer's output (the draft's guess of the target's next feature), for heads that read it.
+
+A tree grows by the student's code (models.tree.grow: one call per level, tree attention); each node reads its
+parent's output as its feature (the root's children: the last true-feature position's), and after the verification
+the cache keeps no node: the accepted path is fed again with the target's features, as in a chain.
 """
 
 from __future__ import annotations
@@ -19,88 +24,111 @@ import time
 
 import torch
 
-from decode.drafter import Chain, Drafter, Sampling, Verdict
-from decode.lm_drafters import Student
-from models.eagle3 import Eagle3, Eagle3Cache
+from decode.drafter import Chain, Drafter, Sampling, TreeProposal, Verdict
+from decode.lm_drafters import Student, StudentTree
+from models.eagle3 import Eagle3
 from models.features.signals import DraftStep
+from models.lm_head import int8_float_rows
+from utils.cli import UserError
 
 
 _PROFILES: dict = {}  # (weights, pair profile key) → this draft's profile
 
 
+def load_draft(pair, weights: str, quantize: str | None) -> tuple[Eagle3, str]:
+    """The saved draft on the pair's target, in its dtype and device, prepared for drafting (models.eagle3
+    `prepare`: the pair's linear products; int8 where `quantize` says, `pair` following pair.draft.quantize)."""
+    from pathlib import Path
+
+    from models.student import REPO_ROOT
+
+    q = pair.cfg.draft.get("quantize") if quantize == "pair" else quantize
+    if q not in (None, "int8"):
+        raise UserError(f"drafter eagle3's quantize must be pair, int8 or null, got '{quantize}'")
+    path = Path(str(weights))
+    path = path if path.is_absolute() else REPO_ROOT / path
+    model = Eagle3.load(path, pair.target).to(device=pair.device, dtype=pair.dtype).eval()
+    return model.prepare(pair.linear, int8=q == "int8", float_rows=int8_float_rows(pair.cfg.draft)), str(path)
+
+
+def _profile(model: Eagle3, weights: str, profile):
+    """The pair's profile with the draft's curves measured on this draft (its step on n new tokens after
+    `profile.context` cached positions, a tree level of n nodes likewise, medians of 15 timed calls; the first step
+    of a round is priced as a warm one, and a prefill as one call on the prompt): what its rounds cost, for the cost
+    model, the expected-value rule and the tree builders. Measured once per weights and profile."""
+    import dataclasses
+
+    if profile is None:
+        return None
+    key = (weights, json.dumps(profile.key, sort_keys=True, default=str))
+    if key not in _PROFILES:
+        ms = [_step_ms(model, n, profile.context) for n in range(1, len(profile.draft_ms) + 1)]
+        level = None if not profile.draft_level_ms else [
+            _step_ms(model, n, profile.context, tree=True) for n in range(1, len(profile.draft_level_ms) + 1)]
+        pre = [_step_ms(model, L, 0) for L in profile.prefill_lengths]
+        _PROFILES[key] = dataclasses.replace(profile, key={**profile.key, "draft": "eagle3"}, draft_ms=ms,
+                                             draft_cold_ms=ms[0], prefill_draft_ms=pre, draft_level_ms=level)
+    return _PROFILES[key]
+
+
+@torch.inference_mode()
+def _step_ms(m: Eagle3, n: int, context: int, tree: bool = False, repeats: int = 15) -> float:
+    dev = m.ids.device
+    h = torch.zeros(context + n, m.cfg.hidden, device=dev, dtype=next(m.parameters()).dtype)
+    toks = torch.zeros(context + n, dtype=torch.long, device=dev)
+    cache = m.new_cache()
+    if context:
+        m.step(toks[:context], h[:context], cache)
+    tree_args = {}
+    if tree:  # n nodes that each see the context and themselves: a level's call (its mask, its positions)
+        mask = torch.zeros(n, context + n, dtype=torch.bool, device=dev)
+        mask[:, :context] = True
+        mask[:, context:] = torch.eye(n, dtype=torch.bool, device=dev)
+        tree_args = {"positions": torch.full((n,), context, device=dev), "mask": mask}
+    times = []
+    for _ in range(repeats + 3):
+        cache.crop(context)
+        t0 = time.perf_counter()
+        m.logits(m.step(toks[context:], h[context:], cache, **tree_args))
+        times.append((time.perf_counter() - t0) * 1000)
+    return float(sorted(times[3:])[repeats // 2])
+
+
 class Eagle3Drafter(Drafter):
     name = "eagle3"
 
-    def __init__(self, pair, policy, weights: str):
-        from pathlib import Path
-
-        from models.student import REPO_ROOT
-
+    def __init__(self, pair, policy, weights: str, quantize: str | None = "pair"):
         super().__init__(policy)
-        path = Path(str(weights))
-        path = path if path.is_absolute() else REPO_ROOT / path
-        self.model = Eagle3.load(path, pair.target).to(device=pair.device, dtype=pair.dtype).eval()
-        self.weights = str(path)
+        self.model, self.weights = load_draft(pair, weights, quantize)
         self.layers = tuple(self.model.cfg.layers)
         self.vocab = int(pair.vocab_size)
         self.support = self.model.ids
 
     @classmethod
+    def delegate(cls, policy_cls) -> str | None:
+        return "eagle3_tree" if getattr(policy_cls, "tree", False) else None
+
+    @classmethod
     def runs(cls, policy_cls) -> str | None:
         if Student.delegate(policy_cls) is not None:
-            return "EAGLE-3 drafts chains here (trees on it are issue 53's next step)"
+            return "a chain drafter runs chain stop policies"
         if policy_cls.learned:
             return "a stop head trained on the student's traces does not read EAGLE-3's features"
         return None
 
     def profile_of(self, profile):
-        """The pair's profile with the draft's curves measured on this draft (its step on n new tokens after
-        `profile.context` cached positions, medians of 15 timed calls; the first step of a round is priced as a warm
-        one, and a prefill as one call on the prompt): what its rounds cost, for the cost model and the
-        expected-value rule. Measured once per drafter object."""
-        import dataclasses
-
-        if profile is None:
-            return None
-        key = (self.weights, json.dumps(profile.key, sort_keys=True, default=str))
-        if key not in _PROFILES:
-            ms = [self._step_ms(n, profile.context) for n in range(1, len(profile.draft_ms) + 1)]
-            pre = [self._step_ms(L, 0) for L in profile.prefill_lengths]
-            _PROFILES[key] = dataclasses.replace(profile, key={**profile.key, "draft": "eagle3"}, draft_ms=ms,
-                                                 draft_cold_ms=ms[0], prefill_draft_ms=pre, draft_level_ms=None)
-        return _PROFILES[key]
-
-    @torch.inference_mode()
-    def _step_ms(self, n: int, context: int, repeats: int = 15) -> float:
-        m, dev = self.model, self.model.ids.device
-        h = torch.zeros(context + n, m.cfg.hidden, device=dev, dtype=next(m.parameters()).dtype)
-        toks = torch.zeros(context + n, dtype=torch.long, device=dev)
-        cache = Eagle3Cache()
-        if context:
-            m.step(toks[:context], h[:context], cache)
-        times = []
-        for _ in range(repeats + 3):
-            cache.crop(context)
-            t0 = time.perf_counter()
-            m.step(toks[context:], h[context:], cache)
-            times.append((time.perf_counter() - t0) * 1000)
-        return float(sorted(times[3:])[repeats // 2])
+        return _profile(self.model, self.weights, profile)
 
     def describe(self) -> dict:
         return {"name": self.name, "layers": list(self.layers), "policy": self.policy.describe()}
 
     def start(self, prompt_ids, s: Sampling, lookahead=None) -> None:
         self.s, self.seq = s, list(prompt_ids)
-        self.cache = Eagle3Cache()
+        self.cache = self.model.new_cache()
         self.feed: tuple[list[int], torch.Tensor] | None = None  # committed tokens and their true features
         self.want_q = (not s.greedy) or bool(self.policy.needs_probs)
         self.policy.reset(lookahead=lookahead)
         self.position = 0
-
-    def _full(self, scores: torch.Tensor) -> torch.Tensor:
-        """Subset scores (len(ids),) → logits over the target's vocabulary, −inf outside the subset."""
-        out = scores.new_full((self.vocab,), float("-inf"))
-        return out.index_copy_(0, self.model.ids, scores)
 
     @torch.inference_mode()
     def propose(self, budget: int, res) -> Chain:
@@ -115,7 +143,7 @@ class Eagle3Drafter(Drafter):
         self.base = self.cache.length  # true-feature positions; the chain's are dropped at commit
         res.draft_calls += 1
         for j in range(min(self.max_len, budget)):
-            q, tok = s.draw(self._full(m.logits(out)[0]), self.want_q)
+            q, tok = s.draw(m.logits(out)[0], self.want_q, m.ids, self.vocab)
             te = now()
             res.draft_s += te - ts
             rnd.tokens.append(tok)
@@ -143,3 +171,85 @@ class Eagle3Drafter(Drafter):
         if getattr(v.proposal, "source", None) is self:
             self.policy.observe(v.drafted, len(v.kept))
         self.position += len(v.kept) + 1
+
+
+class _TreeDraft:
+    """EAGLE-3 as the draft LM models.tree.grow calls: `(logits, None)` of tokens after the cache, full-width (−inf
+    off the head's subset). The pending call reads the true features set in `feats`; a call on tree nodes feeds each
+    node its parent's output — the last position before its own that its mask row attends (its deepest ancestor, or
+    the last true-feature position for the root's children)."""
+
+    def __init__(self, model: Eagle3, vocab: int):
+        self.model, self.vocab = model, vocab
+        self.device, self.support = model.ids.device, model.ids
+        self.feats: torch.Tensor | None = None
+        self.outs = torch.empty(0, model.cfg.hidden, device=self.device, dtype=next(model.parameters()).dtype)
+
+    def new_cache(self):
+        return self.model.new_cache()
+
+    def __call__(self, tokens: list[int], cache, last: int, positions=None, mask=None):
+        m, n, start = self.model, len(tokens), cache.length
+        if mask is None:
+            h = self.feats
+        else:
+            cols = torch.arange(mask.shape[-1], device=mask.device)
+            before = mask & (cols[None] < (start + torch.arange(n, device=mask.device))[:, None])
+            h = self.outs[torch.where(before, cols[None], -1).max(-1).values]
+        out = m.step(torch.tensor(tokens, device=self.device), h, cache, positions, mask)
+        if self.outs.shape[0] < start + n:
+            grown = self.outs.new_empty(max(2 * self.outs.shape[0], start + n, 512), self.outs.shape[1])
+            grown[:start] = self.outs[:start]
+            self.outs = grown
+        self.outs[start : start + n] = out
+        z = m.logits(out[-last:]).float()
+        return z.new_full((last, self.vocab), float("-inf")).index_copy_(1, m.ids, z), None
+
+
+class Eagle3Tree(StudentTree):
+    """Token trees from the EAGLE-3 draft under a tree builder: the student's tree drafter (`StudentTree`) with the
+    chain drafter's cache handling — the first round proposes nothing, each later one grows a tree after the
+    committed tokens fed with their true features, and the cache then drops every node."""
+
+    name = "eagle3_tree"
+    params_of = "eagle3"
+
+    def __init__(self, pair, policy, weights: str, quantize: str | None = "pair"):
+        Drafter.__init__(self, policy)
+        self.model, self.weights = load_draft(pair, weights, quantize)
+        self.layers = tuple(self.model.cfg.layers)
+        self.draft = _TreeDraft(self.model, int(pair.vocab_size))
+
+    @classmethod
+    def runs(cls, policy_cls) -> str | None:
+        if not getattr(policy_cls, "tree", False):
+            return "a tree drafter runs tree builders"
+        if policy_cls.learned:
+            return "a node head trained on the student's trees does not read EAGLE-3's"
+        return None
+
+    def profile_of(self, profile):
+        return _profile(self.model, self.weights, profile)
+
+    def start(self, prompt_ids, s: Sampling, lookahead=None) -> None:
+        super().start(prompt_ids, s, lookahead)
+        self.seq = list(prompt_ids)
+        self.feed: tuple[list[int], torch.Tensor] | None = None  # nothing to read before the target's prefill
+
+    @torch.inference_mode()
+    def propose(self, budget: int, res):
+        if self.feed is None:
+            self.base = self.cache.length
+            return Chain([], source=self)
+        self.pending, feats = self.feed
+        self.draft.feats = self.model.fuse(feats)
+        prop = super().propose(budget, res)
+        self.base = prop.prefix_len
+        # the target's prefix is one longer: the draft's position i holds token i + 1 (its first has no feature)
+        return TreeProposal(prop.tree, len(self.seq), prop.nodes)
+
+    def _commit_cache(self, v: Verdict) -> None:
+        self.cache.crop(self.base)
+        self.seq += v.kept + [v.next]
+        n = v.hidden.shape[1]  # features at the pending token(s) and the kept path: one per token to feed
+        self.feed = (self.seq[-n:], v.hidden.permute(1, 0, 2))

@@ -26,7 +26,7 @@ class LearnedTree(Eagle2):
 
     def __init__(self, bundle=None, topk: int = 4, max_depth: int = 6, max_nodes: int = 32, nodes: int | None = None,
                  threshold: float | None = None, profile=None):
-        super().__init__(topk, max_depth, max_nodes, nodes, threshold, profile)
+        super().__init__(topk, max_depth, max_nodes, nodes, threshold, profile=profile)
         from models.features.spec import feature_kind
 
         kind = feature_kind(bundle.spec.kind) if bundle is not None else None

@@ -177,11 +177,10 @@ class StudentTree(Drafter):
         return TreeProposal(tree, prefix_len, nodes)
 
     def commit(self, v: Verdict, res) -> None:
-        from decode.tree import commit_draft, root_stats
+        from decode.tree import root_stats
 
-        prop = v.proposal
         ts = time.perf_counter()
-        self.pending = commit_draft(self.draft, self.cache, prop.tree, prop.prefix_len, v.path, v.next)
+        self._commit_cache(v)
         res.target_s += time.perf_counter() - ts  # the cache compaction, booked with the verification as before
         ts = time.perf_counter()
         if self.want_vs:
@@ -191,6 +190,13 @@ class StudentTree(Drafter):
             for tok in v.kept + [v.next]:
                 self.cindex.push(tok)
         res.policy_s += time.perf_counter() - ts
+
+    def _commit_cache(self, v: Verdict) -> None:
+        """The draft cache keeps the accepted path; the draft's pending tokens are what it has not run on."""
+        from decode.tree import commit_draft
+
+        prop = v.proposal
+        self.pending = commit_draft(self.draft, self.cache, prop.tree, prop.prefix_len, v.path, v.next)
 
     def describe(self) -> dict:
         return self.policy.describe()

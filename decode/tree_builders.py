@@ -319,8 +319,19 @@ class Eagle2(GrownTree):
     name = "eagle2"
 
     def __init__(self, topk: int = 4, max_depth: int = 6, max_nodes: int = 32, nodes: int | None = None,
-                 threshold: float | None = None, profile=None):
+                 threshold: float | None = None, svip: dict | None = None, profile=None):
         super().__init__(max_depth, profile)
+        # SVIP deciding the depth (SVIP paper §4.4, Table 4): every `every` levels, stop growing when the
+        # distribution the level's most likely node was drawn from has √(c·H) > h — decode.rules.SVIP's test
+        self.svip = None
+        if svip:
+            from decode.rules import SVIP
+
+            svip = dict(svip)
+            every = int(svip.pop("every", 2))
+            if every < 1:
+                raise UserError(f"policy.{self.name}.svip.every must be ≥ 1, got {every}")
+            self.svip = (SVIP(**svip), every)
         if int(topk) < 1 or int(max_nodes) < 1 or (nodes is not None and int(nodes) < 1):
             raise UserError(f"policy.{self.name}.topk, max_nodes and nodes must be ≥ 1, got {topk}, {max_nodes}, {nodes}")
         self.topk, self.max_nodes = int(topk), int(max_nodes)
@@ -365,7 +376,18 @@ class Eagle2(GrownTree):
         """Nodes of the expansion that may grow: those at or above `threshold` (all without one)."""
         return nodes if self.threshold is None else [i for i in nodes if acc[i] >= self.threshold]
 
+    def _svip_stops(self, tree, new, level) -> bool:
+        if self.svip is None or level % self.svip[1]:
+            return False
+        if tree.root_q is None:  # eval.tree_replay regrows a recorded tree, which holds no distributions
+            raise UserError(f"policy {self.name}'s svip depth rule reads the draft's distributions, which a tree "
+                            "trace does not keep; measure it with python -m decode")
+        best = max(new, key=lambda i: tree.joint[i])
+        return float(tree.stats(tree.parents[best])[2]) > self.svip[0].h_max
+
     def expand(self, tree, new, level):
+        if self._svip_stops(tree, new, level):
+            return []
         acc = self.acceptance(tree)
         # EAGLE-2's expansion — the top-k new nodes by joint, as tree traces record it (so the replay holds every
         # node any of these builders grows) — then the most likely first
@@ -393,4 +415,5 @@ class Eagle2(GrownTree):
 
     def describe(self):
         return {**super().describe(), "topk": self.topk, "max_nodes": self.max_nodes, "nodes": self.nodes,
-                "threshold": self.threshold}
+                "threshold": self.threshold,
+                "svip": None if self.svip is None else {**self.svip[0].describe(), "every": self.svip[1]}}

@@ -18,6 +18,7 @@ target's.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import asdict, dataclass
@@ -75,10 +76,12 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
     inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
     ang = positions.to(torch.float32)[:, None] * inv[None]
     emb = torch.cat([ang, ang], -1)
-    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-    half = d // 2
-    rot = torch.cat([-x[..., half:], x[..., :half]], -1)
-    return x * cos + rot * sin
+    return _rotate(x, emb.cos().to(x.dtype), emb.sin().to(x.dtype))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
 
 
 class Eagle3(nn.Module):
@@ -119,7 +122,7 @@ class Eagle3(nn.Module):
     # -- one pass of the layer ---------------------------------------------------------------------------------------
     def fuse(self, feats: torch.Tensor) -> torch.Tensor:
         """Target features (…, 3, H) → the fused feature (…, H)."""
-        return self.fc(feats.reshape(*feats.shape[:-2], 3 * self.cfg.hidden))
+        return self._products()["fc"](feats.reshape(*feats.shape[:-2], 3 * self.cfg.hidden))
 
     def qkv(self, tokens: torch.Tensor, h: torch.Tensor, positions: torch.Tensor):
         """q (…, heads, n, hd), k, v (…, kv_heads, n, hd) of tokens (…, n) with features h (…, n, H)."""
@@ -144,21 +147,90 @@ class Eagle3(nn.Module):
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """Scores over the subset (…, len(ids)) of the layer's output."""
-        return self.head(self.norm(out))
+        return self._products()["head"](self.norm(out))
 
     def _expand(self, t: torch.Tensor) -> torch.Tensor:
         return t.repeat_interleave(self.cfg.heads // self.cfg.kv_heads, dim=-3)
 
     # -- drafting ---------------------------------------------------------------------------------------------------
-    def step(self, tokens: torch.Tensor, h: torch.Tensor, cache: Eagle3Cache) -> torch.Tensor:
-        """Run n new positions (tokens (n,), features (n, H)) after the cache, causally; returns the outputs (n, H)."""
-        start = cache.length
-        pos = torch.arange(start, start + len(tokens), device=h.device)
-        q, k, v = self.qkv(tokens, h, pos)
-        k, v = cache.append(k, v)
-        mask = torch.ones(len(tokens), k.shape[-2], dtype=torch.bool, device=h.device).tril(start)
-        attn = F.scaled_dot_product_attention(q, self._expand(k), self._expand(v), attn_mask=mask)
-        return self.finish(attn, h)
+    def new_cache(self, capacity: int = 512) -> Eagle3Cache:
+        p = self.q_proj.weight
+        return Eagle3Cache(self.cfg.kv_heads, self.cfg.head_dim, p.dtype, p.device, capacity)
+
+    def prepare(self, linear: str = "torch", int8: bool = False, float_rows: int | None = None) -> Eagle3:
+        """Products for drafting (inference only; training keeps the modules): q/k/v and gate/up as one stacked
+        product each (each output is its own row's product, so the same numbers in one call instead of three and
+        two), every product packed for oneDNN (`linear="packed"`, models.lm_head) or int8 (`int8`, bf16 on CPU:
+        what `pair.draft.quantize=int8` does for the student). Not saved: `save` writes the modules."""
+        from models.lm_head import INT8_FLOAT_ROWS, Int8Linear, PackedLinear, int8_kernel_is_fast
+
+        def product(*mods):
+            w = torch.cat([m.weight.detach() for m in mods]) if len(mods) > 1 else mods[0].weight.detach()
+            if int8 and int8_kernel_is_fast(w.dtype, w.device):
+                return Int8Linear(w, None, float_rows or INT8_FLOAT_ROWS)
+            if linear == "packed":
+                return PackedLinear(nn.Parameter(w, requires_grad=False))
+            return functools.partial(F.linear, weight=w)
+
+        object.__setattr__(self, "_lean", {  # not submodules: not in the state_dict
+            "fc": product(self.fc), "qkv": product(self.q_proj, self.k_proj, self.v_proj), "o": product(self.o_proj),
+            "gate_up": product(self.gate, self.up), "down": product(self.down), "head": product(self.head)})
+        return self
+
+    def _products(self) -> dict:
+        """The drafting products (`prepare`), else the modules themselves (training, and a draft not prepared)."""
+        ops = self.__dict__.get("_lean") or self.__dict__.get("_plain")
+        if ops is None:
+            cat = lambda *ms: lambda x: torch.cat([m(x) for m in ms], -1)  # noqa: E731
+            ops = self.__dict__["_plain"] = {
+                "fc": self.fc, "qkv": cat(self.q_proj, self.k_proj, self.v_proj), "o": self.o_proj,
+                "gate_up": cat(self.gate, self.up), "down": self.down, "head": self.head}
+        return ops
+
+    def _rope_table(self, end: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of positions [0, end) (as `rope` computes them), kept in a table that doubles when outgrown."""
+        have = self.__dict__.get("_rope")
+        if have is None or have[0].shape[0] < end or have[0].dtype != dtype:
+            n = max(end, 2 * (0 if have is None else have[0].shape[0]), 1024)
+            d = self.cfg.head_dim
+            inv = 1.0 / (self.cfg.rope_theta ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
+            ang = torch.arange(n, device=device, dtype=torch.float32)[:, None] * inv[None]
+            emb = torch.cat([ang, ang], -1)
+            have = (emb.cos().to(dtype), emb.sin().to(dtype))
+            self.__dict__["_rope"] = have
+        return have
+
+    def step(self, tokens: torch.Tensor, h: torch.Tensor, cache: Eagle3Cache, positions: torch.Tensor | None = None,
+             mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Run n new positions (tokens (n,), features (n, H)) after the cache; returns the outputs (n, H). Causal
+        after the cache, or a token tree's call: rotary `positions` (n,) and `mask` (n, cache + n) bool (models.lm
+        .tree_attention), both or neither. Keys and values are written into the preallocated cache."""
+        cfg, ops = self.cfg, self._products()
+        n, start = len(tokens), cache.length
+        end = start + n
+        cache.reserve(end)
+        cos, sin = self._rope_table(end, h.dtype, h.device)
+        idx = slice(start, end) if positions is None else positions
+        cos, sin = cos[idx], sin[idx]
+        e = F.embedding(tokens, self.embed.weight).to(h.dtype)
+        y = ops["qkv"](torch.cat([self.in_norm(e), self.hid_norm(h)], -1))
+        qw, kw = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+        qk = _rotate(y[:, : qw + kw].view(n, -1, cfg.head_dim).transpose(0, 1), cos, sin)
+        cache.k[:, start:end] = qk[cfg.heads :]
+        cache.v[:, start:end] = y[:, qw + kw :].view(n, -1, cfg.head_dim).transpose(0, 1)
+        keys, values = cache.k[:, :end], cache.v[:, :end]
+        cache.length = end
+        groups = cfg.heads // cfg.kv_heads
+        if n == 1 and mask is None:  # one row: each kv head's query heads as the rows of one query (no mask needed)
+            a = F.scaled_dot_product_attention(qk[: cfg.heads].reshape(cfg.kv_heads, groups, cfg.head_dim), keys,
+                                               values).reshape(cfg.heads, 1, cfg.head_dim)
+        else:
+            if mask is None:
+                mask = torch.ones(n, end, dtype=torch.bool, device=h.device).tril(start)
+            a = F.scaled_dot_product_attention(qk[: cfg.heads], keys, values, attn_mask=mask, enable_gqa=groups > 1)
+        x = h + ops["o"](a.transpose(0, 1).reshape(n, -1))
+        gate, up = ops["gate_up"](self.post_norm(x)).chunk(2, -1)
+        return x + ops["down"](F.silu(gate) * up)
 
     # -- training-time test -----------------------------------------------------------------------------------------
     def forward_steps(self, tokens: torch.Tensor, feats: torch.Tensor, steps: int) -> list[torch.Tensor]:
@@ -229,20 +301,28 @@ class Eagle3(nn.Module):
 
 
 class Eagle3Cache:
-    """The draft's keys and values (kv_heads, n, hd) per position; `crop(n)` keeps the first n."""
+    """The draft's keys and values in preallocated buffers (kv_heads, capacity, head_dim), `length` positions valid;
+    grows by doubling; `crop(n)` keeps the first n (a rollback moves no data)."""
 
-    def __init__(self):
-        self.k = self.v = None
+    def __init__(self, kv_heads: int, head_dim: int, dtype: torch.dtype, device, capacity: int = 512):
+        self.k = torch.empty(kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        self.v = torch.empty_like(self.k)
+        self.length = 0
 
-    @property
-    def length(self) -> int:
-        return 0 if self.k is None else self.k.shape[-2]
+    def reserve(self, n: int) -> None:
+        cap = self.k.shape[1]
+        if n <= cap:
+            return
+        while cap < n:
+            cap *= 2
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            grown = old.new_empty(old.shape[0], cap, old.shape[2])
+            grown[:, : self.length] = old[:, : self.length]
+            setattr(self, name, grown)
 
-    def append(self, k, v):
-        self.k = k if self.k is None else torch.cat([self.k, k], -2)
-        self.v = v if self.v is None else torch.cat([self.v, v], -2)
-        return self.k, self.v
+    def get_seq_length(self) -> int:  # the name models.tree reads
+        return self.length
 
     def crop(self, n: int) -> None:
-        if self.k is not None:
-            self.k, self.v = self.k[..., :n, :], self.v[..., :n, :]
+        self.length = min(self.length, n)

@@ -213,6 +213,22 @@ def test_dear_draft_calls_cut_the_trees_levels(close_tiny):
         assert dear >= 1.0
 
 
+def test_svip_decides_eagle2s_depth_every_two_levels(close_tiny):
+    """SVIP on EAGLE-2's tree (the SVIP paper's Table 4): with h so small that every distribution fails √(c·H) ≤ h
+    the tree stops growing at level 2 (checked every two levels), with h so large that none does it grows as
+    eagle2; both stay target-greedy."""
+    from decode.tree_builders import Eagle2
+
+    def rounds(svip):
+        return _decode_rounds(close_tiny, Eagle2(topk=3, max_depth=6, nodes=8, svip=svip, profile=_profile()))
+
+    plain, never, always = rounds(None), rounds({"h": 100.0}), rounds({"h": 1e-6, "every": 2})
+    assert [t for t, _, _ in never] == [t for t, _, _ in plain] == [t for t, _, _ in always]
+    assert never == plain
+    calls = [c / len(r) for _, r, c in always]
+    assert max(calls) <= 2 + 1e-9 < max(c / len(r) for _, r, c in plain)  # the root call and one level past it
+
+
 @pytest.mark.parametrize("name,kind", [("learned_tree", "tree_node"), ("c2t", "tree_node"),
                                        ("learned_tree", "tree_node_plus")])
 def test_learned_builders_are_target_greedy_and_refuse_chain_heads(close_tiny, name, kind):

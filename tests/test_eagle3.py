@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.eagle3 import Eagle3, Eagle3Cache
+from models.eagle3 import Eagle3
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -38,12 +38,44 @@ def test_ttt_steps_equal_drafting_with_a_cache(tiny_pair):
         ttt = [model.logits(h) for h in model.forward_steps(torch.tensor([seq]), feats[None], steps)]
         fused = model.fuse(feats)
         for i in (0, 3, T - 5):
-            cache = Eagle3Cache()
+            cache = model.new_cache()
             out = model.step(torch.tensor(seq[1 : i + 2]), fused[: i + 1], cache)[-1:]  # rows 0..i, true features
             assert torch.allclose(model.logits(out)[0], ttt[0][0, i], atol=1e-5)
             for j in range(1, steps):
                 out = model.step(torch.tensor([seq[i + 1 + j]]), out, cache)
                 assert torch.allclose(model.logits(out)[0], ttt[j][0, i], atol=1e-5), (i, j)
+
+
+def chain_outs(m, seq, feats) -> list[torch.Tensor]:
+    """The layer's outputs drafting seq[8:11] (teacher-forced) after seq[1:8] on true features: [prefix's last, the
+    three steps']."""
+    cache = m.new_cache(capacity=4)  # small: the cache grows on the way
+    outs = [m.step(torch.tensor(seq[1:8]), m.fuse(feats[:7]), cache)[-1:]]
+    for t in seq[8:11]:
+        outs.append(m.step(torch.tensor([t]), outs[-1], cache))
+    return outs
+
+
+def test_prepared_products_and_tree_calls_compute_the_chain_step(tiny_pair):
+    """`prepare` (stacked q/k/v and gate/up, oneDNN-packed products) changes no number beyond float rounding, and a
+    tree call on a chain-shaped branch (models.lm.tree_attention's positions and mask, each node fed its parent's
+    output) computes the chain's steps."""
+    from models.lm import tree_attention
+    from models.lm_head import packed_available
+
+    plain, lean = draft_for(tiny_pair, seed=2), draft_for(tiny_pair, seed=2)
+    lean.prepare("packed" if packed_available() else "torch")
+    seq = tiny_pair.tokenizer.encode("for i in range(10):\n    print(i)", add_special_tokens=False)
+    feats = target_features(tiny_pair, plain, seq)
+    with torch.no_grad():
+        ref = chain_outs(plain, seq, feats)
+        assert all(torch.allclose(plain.logits(a), lean.logits(b), atol=1e-4)
+                   for a, b in zip(ref, chain_outs(lean, seq, feats)))
+        cache = plain.new_cache()
+        plain.step(torch.tensor(seq[1:8]), plain.fuse(feats[:7]), cache)
+        pos, mask = tree_attention([-1, 0, 1], [0, 1, 2], cache.length, cache.length)
+        tree = plain.step(torch.tensor(seq[8:11]), torch.cat(ref[:3]), cache, pos, mask)
+        assert torch.allclose(tree, torch.cat(ref[1:]), atol=1e-5)
 
 
 def test_save_and_load_keep_the_draft(tiny_pair, tmp_path):
@@ -107,6 +139,7 @@ def eagle3_drafter(tiny_pair, trained):
     def make(policy):
         return build_drafter("eagle3", tiny_pair, policy, {"weights": str(path)})
 
+    make.path = path
     return make
 
 
@@ -146,6 +179,51 @@ def test_eagle3_sampling_matches_target_law(tiny_pair, eagle3_drafter):
         counts[res.tokens[0], res.tokens[1]] += 1
         drafted += res.drafted
     assert drafted == n  # every run drafted the second token
+    bins, pvalue = law_chisquare(counts, joint, n)
+    assert bins >= 3
+    assert pvalue > 1e-3
+
+
+def test_eagle3_trees_are_lossless_with_the_builders(tiny_pair, eagle3_drafter):
+    """Trees on EAGLE-3 (`eagle3` hands a builder to `eagle3_tree`): greedy output = the target's, with nodes both
+    accepted and rejected, for EAGLE-2's builder, a static tree and Sequoia's."""
+    from decode.drafter import for_policy
+    from decode.loop import autoregressive, speculative
+    from decode.policies import build_policy
+
+    eos = {tiny_pair.tokenizer.eos_token_id}
+    drafted = accepted = 0
+    for text in ("def add(a, b):\n    return", "1, 2, 3, 1, 2, 3"):
+        ids = tiny_pair.tokenizer.encode(text, add_special_tokens=False)
+        ref = autoregressive(tiny_pair, ids, 30, eos=eos)
+        for name, params in (("eagle2", {}), ("tree_static", {"max_depth": 4}), ("sequoia", {"rank_probs": [0.5, 0.2, 0.1], "max_nodes": 12, "max_depth": 5})):
+            drafter = for_policy("eagle3", tiny_pair, build_policy(name, params, pair=tiny_pair),
+                                 {"weights": str(eagle3_drafter.path)})
+            assert drafter.name == "eagle3_tree"
+            res = speculative(tiny_pair, ids, drafter, 30, eos=eos, lookahead=ref.tokens)
+            assert res.tokens == ref.tokens, (name, text)
+            drafted, accepted = drafted + res.drafted, accepted + res.accepted
+    assert drafted > accepted > 0
+
+
+def test_eagle3_tree_sampling_matches_target_law(tiny_pair, eagle3_drafter):
+    """T = 1 through an EAGLE-2 tree on EAGLE-3 (SpecInfer's walk): the first two tokens follow the target's law."""
+    from decode.drafter import for_policy
+    from decode.loop import speculative
+    from decode.policies import build_policy
+    from tests.conftest import law_chisquare, two_token_law
+
+    ids = tiny_pair.tokenizer.encode("The quick brown fox", add_special_tokens=False)
+    joint = two_token_law(tiny_pair, ids)
+    v = joint.shape[0]
+    drafter = for_policy("eagle3", tiny_pair, build_policy("eagle2", {"nodes": 4}, pair=tiny_pair),
+                         {"weights": str(eagle3_drafter.path)})
+    n, counts, drafted = 800, torch.zeros(v, v, dtype=torch.float64), 0
+    for s in range(n):
+        res = speculative(tiny_pair, ids, drafter, 3, temperature=1.0, generator=torch.Generator().manual_seed(s))
+        counts[res.tokens[0], res.tokens[1]] += 1
+        drafted += res.drafted
+    assert drafted >= n  # every run verified a tree for the second token
     bins, pvalue = law_chisquare(counts, joint, n)
     assert bins >= 3
     assert pvalue > 1e-3

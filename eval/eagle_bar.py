@@ -1,0 +1,163 @@
+"""`python -m eval.eagle_bar`: issue 53's numbers about the EAGLE-3 draft, gathered from the runs that measure them,
+as results/eagle/bar.json (and bar.md).
+
+    python -m eval.eagle_bar [eagle_bar.mbpp=results/eagle/mbpp] [eagle_bar.specbench=results/eagle/specbench]
+                             [eagle_bar.heads=PATH]
+
+- `mbpp`: one `python -m decode 'drafters=[student,eagle3,lookup]'` run with chain policies, tree builders and
+  `eagle2_svip` (the study's command): each drafter's best chain method and EAGLE-3's best tree, their measured c and
+  mean accepted length, and EAGLE-2's tree on EAGLE-3 with and without SVIP deciding its depth.
+- `specbench`: the same run on Spec-Bench (tasks in prompts.jsonl): best student and EAGLE-3 methods pooled, and
+  the EAGLE-3 best method's speedup on its worst task.
+- `heads`: a JSON with the learned-head answer on EAGLE-3 traces (`auroc_head`, `auroc_max_q`,
+  `replay_learned_vs_ev`, `replay_ci`, `wall_learned_vs_ev`); absent: those stay null.
+
+A field whose run is missing is null, and `missing` says which command fills it. Nothing here times anything.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from utils.cli import UserError, hydra_entry
+from utils.files import read_jsonl, write_text_atomic
+
+HEAD_KEYS = ("auroc_head", "auroc_max_q", "replay_learned_vs_ev", "replay_ci", "wall_learned_vs_ev")
+
+
+def is_tree(key: str) -> bool:
+    """Whether a `drafter/policy` row ran a tree builder (the policy's class says)."""
+    from decode.policies import _class_of, policy_target
+
+    name = key.partition("/")[2].partition(":")[0]
+    return bool(getattr(_class_of(policy_target(name), name), "tree", False))
+
+
+def _best(summary: dict, drafter: str, tree: bool) -> str | None:
+    keys = [k for k, s in summary.items() if isinstance(s, dict) and s.get("drafter") == drafter
+            and is_tree(k) == tree]
+    return max(keys, key=lambda k: summary[k]["speedup"]) if keys else None
+
+
+def _summary(folder: Path | None) -> dict | None:
+    if folder is None or not (folder / "summary.json").is_file():
+        return None
+    return json.loads((folder / "summary.json").read_text())
+
+
+def mbpp_part(summary: dict) -> dict:
+    keys = {d: _best(summary, d, False) for d in ("student", "eagle3", "lookup")}
+    tree = _best(summary, "eagle3", True)
+
+    def field(key, name):
+        return None if key is None else summary[key].get(name)
+
+    return {"student_best": field(keys["student"], "speedup"), "eagle_best": field(keys["eagle3"], "speedup"),
+            "eagle_tree_best": field(tree, "speedup"), "lookup_best": field(keys["lookup"], "speedup"),
+            "c_student": field(keys["student"], "measured_c"), "c_eagle": field(keys["eagle3"], "measured_c"),
+            "tau_student": field(keys["student"], "mean_accepted_length"),
+            "tau_eagle": field(keys["eagle3"], "mean_accepted_length"),
+            "methods": {"student": keys["student"], "eagle": keys["eagle3"], "eagle_tree": tree,
+                        "lookup": keys["lookup"]}}
+
+
+def task_speedups(folder: Path, method: str) -> dict[str, float]:
+    """{task: method's tokens/s over target-only's} from a decode folder's per-prompt rows."""
+    sums: dict[str, dict[str, list[float]]] = {}
+    for r in read_jsonl(folder / "prompts.jsonl"):
+        if r["method"] in (method, "target") and r.get("task"):
+            acc = sums.setdefault(r["task"], {}).setdefault(r["method"], [0.0, 0.0])
+            acc[0], acc[1] = acc[0] + r["new_tokens"], acc[1] + r["wall_s"]
+    return {t: (v[method][0] / v[method][1]) / (v["target"][0] / v["target"][1])
+            for t, v in sorted(sums.items()) if method in v and "target" in v}
+
+
+def specbench_part(folder: Path, summary: dict) -> dict:
+    student = _best(summary, "student", False) or _best(summary, "student", True)
+    eagle = max((k for k in (_best(summary, "eagle3", False), _best(summary, "eagle3", True)) if k),
+                key=lambda k: summary[k]["speedup"], default=None)
+    tasks = task_speedups(folder, eagle) if eagle else {}
+    worst = min(tasks, key=tasks.get) if tasks else None
+    return {"student_best": summary[student]["speedup"] if student else None,
+            "eagle_best": summary[eagle]["speedup"] if eagle else None,
+            "worst_task": None if worst is None else {"task": worst, "speedup": tasks[worst]},
+            "by_task": tasks, "methods": {"student": student, "eagle": eagle}}
+
+
+def gather(mbpp: Path | None, specbench: Path | None, heads: Path | None) -> dict:
+    out, missing = {"prompts": None}, []
+    s = _summary(mbpp)
+    if s is None:
+        missing.append(f"mbpp: python -m decode 'drafters=[student,eagle3,lookup]' ... out_dir={mbpp}")
+        out["mbpp"] = dict.fromkeys(("student_best", "eagle_best", "eagle_tree_best", "lookup_best", "c_student",
+                                     "c_eagle", "tau_student", "tau_eagle"))
+        out["svip_eagle2"] = {"eagle2": None, "svip_eagle2": None}
+    else:
+        out["mbpp"] = mbpp_part(s)
+        out["prompts"] = s["target"].get("n_prompts") if isinstance(s.get("target"), dict) else None
+        out["prompts"] = out["prompts"] or next(v["n_prompts"] for v in s.values() if isinstance(v, dict)
+                                                and "n_prompts" in v)
+        out["svip_eagle2"] = {k: (s.get(f"eagle3/{k}") or {}).get("speedup") for k in ("eagle2", "eagle2_svip")}
+        out["svip_eagle2"]["svip_eagle2"] = out["svip_eagle2"].pop("eagle2_svip")
+        run = json.loads((mbpp / "run.json").read_text()) if (mbpp / "run.json").is_file() else {}
+        out["machine"], out["dtype"], out["date"] = run.get("machine"), run.get("dtype"), run.get("date")
+    s = _summary(specbench)
+    if s is None:
+        missing.append(f"specbench: the same decode on dataset=specbench ... out_dir={specbench}")
+        out["specbench"] = {"student_best": None, "eagle_best": None, "worst_task": None}
+    else:
+        out["specbench"] = specbench_part(specbench, s)
+    if heads is not None and heads.is_file():
+        h = json.loads(heads.read_text())
+        out["heads"] = {k: h.get(k) for k in HEAD_KEYS}
+    else:
+        missing.append("heads: stop heads on EAGLE-3 traces (not built yet)")
+        out["heads"] = dict.fromkeys(HEAD_KEYS)
+    out["missing"] = missing
+    return out
+
+
+def markdown(res: dict) -> str:
+    m, sb = res["mbpp"], res["specbench"]
+
+    def f(x, fmt="{:.2f}"):
+        return "—" if x is None else fmt.format(x)
+
+    lines = [f"EAGLE-3 against the student ({res.get('machine')}, {res.get('dtype')}, {res.get('date')}; "
+             f"{res['prompts']} MBPP prompts)", "",
+             "| | student | EAGLE-3 chain | EAGLE-3 tree | lookup |", "|---|---|---|---|---|",
+             f"| MBPP best speedup | {f(m['student_best'])} | {f(m['eagle_best'])} | {f(m['eagle_tree_best'])} | "
+             f"{f(m['lookup_best'])} |",
+             f"| measured c | {f(m['c_student'], '{:.3f}')} | {f(m['c_eagle'], '{:.3f}')} | | |",
+             f"| mean accepted length | {f(m['tau_student'])} | {f(m['tau_eagle'])} | | |",
+             f"| Spec-Bench best (pooled) | {f(sb['student_best'])} | {f(sb['eagle_best'])} | | |", "",
+             f"EAGLE-2's tree on EAGLE-3: {f(res['svip_eagle2']['eagle2'])}×, with SVIP deciding its depth "
+             f"{f(res['svip_eagle2']['svip_eagle2'])}×."]
+    if res["missing"]:
+        lines += ["", "Missing: " + "; ".join(res["missing"])]
+    return "\n".join(lines) + "\n"
+
+
+@hydra_entry("eagle_bar")
+def main(cfg: DictConfig) -> None:
+    c = cfg.eagle_bar
+
+    def path(v):
+        return None if v in (None, "") else Path(str(v))
+
+    res = gather(path(c.mbpp), path(c.specbench), path(c.get("heads")))
+    if res["mbpp"]["student_best"] is None and res["specbench"]["student_best"] is None:
+        raise UserError(f"no decode run at {c.mbpp} or {c.specbench}; run the commands in conf/study.yaml's "
+                        "eagle section first")
+    out = Path(str(c.out))
+    out.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out / "bar.json", json.dumps(res, indent=2))
+    write_text_atomic(out / "bar.md", markdown(res))
+    print(markdown(res))
+
+
+if __name__ == "__main__":
+    main()
