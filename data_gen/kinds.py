@@ -32,6 +32,14 @@ class TraceKind:
     def store_hidden(self, t) -> bool:
         return bool(t.get("store_hidden", self.hidden_default))
 
+    def drafter(self, t) -> str:
+        """Whose draft the rows record (decode.drafter's name; the manifest's `drafter`)."""
+        return "student"
+
+    def hidden_size(self, pair, t) -> int:
+        """Width of `draft_hidden` when stored."""
+        return int(pair.draft.config.hidden_size)
+
     def check(self, t) -> None:
         """Refuse settings this kind cannot trace (UserError), before anything is loaded or written."""
 
@@ -120,6 +128,44 @@ class Tree(TraceKind):
         from data_gen.traces import tree_batch
 
         return tree_batch(pair, items, t)
+
+
+class EagleChain(TraceKind):
+    """EAGLE-3's chains (issue 53): along the target's greedy continuation, the chain a round starting at each
+    position drafts, one row per step (data_gen.eagle_traces)."""
+
+    hidden_default = True
+    replays_rounds = True
+
+    def check(self, t):
+        from pathlib import Path
+
+        from models.student import REPO_ROOT
+
+        if float(t.get("temperature", 0.0)) != 0.0:
+            raise UserError("trace=eagle_chain records greedy rounds only; set trace.temperature=0")
+        if int(t.get("steps", 8)) < 1:
+            raise UserError(f"trace.steps must be >= 1, got {t.get('steps')}")
+        path = Path(str(t.get("weights")))
+        if not (path if path.is_absolute() else REPO_ROOT / path).is_file():
+            raise UserError(f"trace.weights={path} is not a file; train an EAGLE-3 draft with python -m train.eagle")
+
+    def folder_suffix(self, t):
+        return f"-K{int(t.get('steps', 8))}"
+
+    def manifest_extra(self, t):
+        return {"eagle": {"weights": str(t.get("weights")), "steps": int(t.get("steps", 8))}}
+
+    def drafter(self, t):
+        return "eagle3"
+
+    def hidden_size(self, pair, t):  # the layer's output and the fused target feature, side by side
+        return 2 * int(pair.target.config.hidden_size)
+
+    def rows(self, pair, items, t):
+        from data_gen.eagle_traces import eagle_batch
+
+        return eagle_batch(pair, items, t)
 
 
 def manifest_kind(manifest: dict) -> TraceKind | None:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from models.features.layout import CHAIN_COLUMNS, ROUND_COLUMNS
 from utils import discover
 from utils.cli import UserError
 
@@ -202,7 +203,7 @@ def weight_columns(cfg) -> tuple[str, ...]:
     if reach_weight(cfg) >= 1.0:
         return ()
     acc = ("q_draft", "p_draft") if str(scheme(cfg).reach) == "soft" else ()
-    return ("draft_token", "target_token", "position", "prompt_id", "kind", *acc)
+    return (*ROUND_COLUMNS, *CHAIN_COLUMNS, *acc)
 
 
 def make_weights(columns: dict, cfg) -> np.ndarray:

@@ -258,7 +258,7 @@ def _new_manifest(cfg: DictConfig, split: str, pair, s: Settings, plan: Plan, it
         "config_hash": plan.config_hash,
         "config": store.hash_payload(cfg),
         "pair_id": pair.pair_id,
-        "drafter": "student",  # whose draft the rows record (decode.drafter); traces without the key are the student's
+        "drafter": kind.drafter(cfg.trace),  # whose draft the rows record (decode.drafter); none: the student's
         "tokenizer_hash": pair.tokenizer_hash,
         "dtype": plan.dtype,
         "linear": plan.linear,
@@ -266,7 +266,7 @@ def _new_manifest(cfg: DictConfig, split: str, pair, s: Settings, plan: Plan, it
         "trace_kind": str(cfg.trace.kind),
         "split": split,
         "topk": int(cfg.trace.get("topk", 10)),
-        "hidden_size": int(pair.draft.config.hidden_size) if kind.store_hidden(cfg.trace) else 0,
+        "hidden_size": kind.hidden_size(pair, cfg.trace) if kind.store_hidden(cfg.trace) else 0,
         "temperature": float(cfg.trace.get("temperature", 0.0)),
         "top_p": float(cfg.trace.get("top_p", 1.0)),
         **kind.manifest_extra(cfg.trace),  # tree traces: the candidate trees' bounds and the positions' spacing

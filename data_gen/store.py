@@ -219,6 +219,9 @@ def _table(rows: list[dict], topk: int, hidden: int):
     for name in SCALARS:
         if all(name in r for r in rows):  # target_margin: absent from rows built by older code/tests
             cols[name] = pa.array(cat(name, np.float32))
+    for name in ("start", "step"):  # eagle_chain rows: the round's start position and the drafting step
+        if rows and all(name in r for r in rows):
+            cols[name] = pa.array(cat(name, np.int32))
     if rows and all("context_token" in r for r in rows):
         cols["context_token"] = pa.array(cat("context_token", np.int32))
         # the prompt's token ids on each continuation's first row only (empty lists elsewhere): copy features need it

@@ -173,6 +173,7 @@ class Drafter:
     layers: tuple[int, ...] = ()
     greedy_only = False
     params_of: str | None = None  # a drafter it runs for (by `delegate`) whose `drafter.<name>.*` parameters it takes
+    heads_from = "student"  # whose traces a stop head it runs must have been trained on (HeadBundle.drafter)
 
     def __init__(self, policy=None, max_len: int | None = None):
         self.policy = policy
@@ -249,9 +250,15 @@ def build_drafter(name: str, pair, policy=None, params: dict | None = None, cfg=
     conf = {**(discover.load("drafter", name, cfg) or {}), **dict(params or {})}
     make = instantiate(conf, _partial_=True, _convert_="all")  # the pair and policy are objects, not config values
     try:
-        return make(pair=pair, policy=policy)
+        drafter = make(pair=pair, policy=policy)
     except TypeError as err:
         raise UserError(f"bad parameter for drafter {name}: {err}; see conf/drafter/{name}.yaml") from None
+    bundle = getattr(policy, "bundle", None)
+    trained_on = getattr(bundle, "drafter", drafter.heads_from)
+    if bundle is not None and trained_on != drafter.heads_from:
+        raise UserError(f"head {bundle.path} was trained on {trained_on}'s traces; drafter {name} drafts with "
+                        f"{drafter.heads_from}'s (train a head on its traces: trace=eagle_chain for eagle3)")
+    return drafter
 
 
 def for_policy(name: str, pair, policy, params: dict | None = None, cfg=None) -> Drafter:

@@ -96,6 +96,7 @@ def _step_ms(m: Eagle3, n: int, context: int, tree: bool = False, repeats: int =
 
 class Eagle3Drafter(Drafter):
     name = "eagle3"
+    heads_from = "eagle3"  # heads trained on trace=eagle_chain traces (data_gen.eagle_traces)
 
     def __init__(self, pair, policy, weights: str, quantize: str | None = "pair"):
         super().__init__(policy)
@@ -112,8 +113,6 @@ class Eagle3Drafter(Drafter):
     def runs(cls, policy_cls) -> str | None:
         if Student.delegate(policy_cls) is not None:
             return "a chain drafter runs chain stop policies"
-        if policy_cls.learned:
-            return "a stop head trained on the student's traces does not read EAGLE-3's features"
         return None
 
     def profile_of(self, profile):
@@ -127,6 +126,7 @@ class Eagle3Drafter(Drafter):
         self.cache = self.model.new_cache()
         self.feed: tuple[list[int], torch.Tensor] | None = None  # committed tokens and their true features
         self.want_q = (not s.greedy) or bool(self.policy.needs_probs)
+        self.want_hidden = bool(getattr(self.policy, "needs_hidden", False))
         self.policy.reset(lookahead=lookahead)
         self.position = 0
 
@@ -139,8 +139,12 @@ class Eagle3Drafter(Drafter):
         now, s, m = time.perf_counter, self.s, self.model
         ts = now()
         toks, feats = self.feed
-        out = m.step(torch.tensor(toks, device=feats.device), m.fuse(feats), self.cache)[-1:]
+        fused = m.fuse(feats)
+        out = m.step(torch.tensor(toks, device=feats.device), fused, self.cache)[-1:]
         self.base = self.cache.length  # true-feature positions; the chain's are dropped at commit
+        # a head reading the hidden state gets [the step's output ‖ the fused feature the round began from], as
+        # eagle_chain traces store it (data_gen.eagle_traces)
+        start_feature = fused[-1] if self.want_hidden else None
         res.draft_calls += 1
         for j in range(min(self.max_len, budget)):
             q, tok = s.draw(m.logits(out)[0], self.want_q, m.ids, self.vocab)
@@ -149,7 +153,8 @@ class Eagle3Drafter(Drafter):
             rnd.tokens.append(tok)
             if q is not None:
                 rnd.qs.append(q)
-            stop = self.policy.should_stop(DraftStep(probs=q, token=tok, hidden=out[0], position_in_round=j,
+            hidden = torch.cat([out[0], start_feature]) if self.want_hidden else out[0]
+            stop = self.policy.should_stop(DraftStep(probs=q, token=tok, hidden=hidden, position_in_round=j,
                                                      position=self.position + j, support=self.support))
             ts = now()
             res.policy_s += ts - te

@@ -31,10 +31,28 @@ class Continuation:
     target_entropy: np.ndarray | None = None  # H_p, top-2 margin of p and TVD(p, q) per row
     target_margin: np.ndarray | None = None
     tvd: np.ndarray | None = None
+    # eagle_chain traces (data_gen.eagle_traces): row of start t's step j ((n, K), −1 where the trace has none) and
+    # the target's token per position; target_ar rows are one per position (row t + j; target_token is the path)
+    rows: np.ndarray | None = None
+    path: np.ndarray | None = None
 
     @property
     def accepted(self) -> np.ndarray:
+        """Per row: the drafted token is the target's."""
         return self.draft_token == self.target_token
+
+    @property
+    def target_path(self) -> np.ndarray:
+        """The target's token at each position of the continuation (what a verifier compares against)."""
+        return self.target_token if self.path is None else self.path
+
+    def row(self, t: int, j: int) -> int | None:
+        """The row of the j-th token a round starting at position t drafts; None past the trace's end or steps."""
+        if self.rows is None:
+            return t + j if t + j < len(self.draft_token) else None
+        if t >= self.rows.shape[0] or j >= self.rows.shape[1] or self.rows[t, j] < 0:
+            return None
+        return int(self.rows[t, j])
 
     def verify_stats(self, t: int, k: int, n: int) -> VerifyStats:
         """The loop's VerifyStats (decode.lm_drafters.verify_stats) of a round that started at row t, drafted k, kept n:
@@ -67,12 +85,15 @@ def load_greedy_traces(folder: Path, names: list[str]) -> tuple[dict, dict]:
 
 PLUS_TRACE_COLUMNS = ("prompt_tokens", "context_token", "target_entropy", "target_margin", "tvd")
 CONTINUATION_COLUMNS = ["prompt_id", "kind", "position", "draft_token", "target_token", "draft_topk", "draft_entropy",
-                        "draft_hidden", *PLUS_TRACE_COLUMNS]
+                        "draft_hidden", "start", "step", *PLUS_TRACE_COLUMNS]
 
 
 def load_continuations(folder: Path) -> tuple[list[Continuation], dict, dict]:
     """A greedy target_ar trace folder as (continuations, manifest, columns)."""
     cols, manifest = load_greedy_traces(folder, CONTINUATION_COLUMNS)
+    if manifest.get("eagle"):
+        print(f"note: {folder} holds {manifest['eagle']['steps']} drafting steps per round (trace.steps): a replayed "
+              "round stops there whatever its policy's max_len", flush=True)
     return continuations(cols), manifest, cols
 
 
@@ -88,6 +109,8 @@ def continuations(cols: dict) -> list[Continuation]:
     def part(name, a, b):
         return cols[name][a:b] if plus else None
 
+    if "step" in cols:
+        return [_chains(cols, topk, ent, hid, a, b) for a, b in zip(starts, ends)]
     out = [Continuation(topk[a:b], ent[a:b], None if hid is None else hid[a:b],
                         cols["draft_token"][a:b].astype(np.int64), cols["target_token"][a:b].astype(np.int64),
                         prompt_id=str(cols["prompt_id"][a]) if "prompt_id" in cols else str(i),
@@ -96,3 +119,19 @@ def continuations(cols: dict) -> list[Continuation]:
                         target_margin=part("target_margin", a, b), tvd=part("tvd", a, b))
            for i, (a, b) in enumerate(zip(starts, ends))]
     return out
+
+
+def _chains(cols: dict, topk, ent, hid, a: int, b: int) -> Continuation:
+    """One eagle_chain continuation (rows a..b): per-row draft columns, the (start, step) → row table and the
+    target's path (the context a disco_plus head reads is not rebuilt for these rows yet: plus fields stay None)."""
+    start, step = cols["start"][a:b].astype(np.int64), cols["step"][a:b].astype(np.int64)
+    pos = start + step
+    n = int(pos.max()) + 1
+    rows = np.full((n, int(step.max()) + 1), -1, dtype=np.int64)
+    rows[start, step] = np.arange(b - a)
+    target = cols["target_token"][a:b].astype(np.int64)
+    path = np.zeros(n, dtype=np.int64)
+    path[pos] = target  # every row of a position names the same target token
+    return Continuation(topk[a:b], ent[a:b], None if hid is None else hid[a:b],
+                        cols["draft_token"][a:b].astype(np.int64), target, prompt_id=str(cols["prompt_id"][a]),
+                        rows=rows, path=path)

@@ -31,17 +31,21 @@ class TraceChain(Drafter):
 
     def start(self, prompt_ids, s, lookahead=None) -> None:
         cont = self.cont
-        self.policy.reset(lookahead=cont.target_token.tolist(), synthetic=self.synthetic)
+        self.policy.reset(lookahead=cont.target_path.tolist(), synthetic=self.synthetic)
         self.ctx = list(cont.prompt) if self.want_ctx else None
         self.vstats, self.t = None, 0
 
     def propose(self, budget: int, res) -> Chain:
         cont, t, rnd = self.cont, self.t, Chain([], source=self)
+        if cont.rows is not None and res.target_calls == 0:
+            return rnd  # EAGLE-3's first round (decode.eagle3): nothing to read before the target's prefill
         for j in range(min(self.max_len, budget)):
-            i = t + j
+            i = cont.row(t, j)
+            if i is None:  # an eagle_chain trace records `steps` tokens per round: a longer one ends there
+                break
             rnd.tokens.append(int(cont.draft_token[i]))
             step = DraftStep(probs=cont.topk[i], token=int(cont.draft_token[i]),
-                             hidden=None if cont.hidden is None else cont.hidden[i], position_in_round=j, position=i,
+                             hidden=None if cont.hidden is None else cont.hidden[i], position_in_round=j, position=t + j,
                              _topk=cont.topk[i], _entropy=cont.entropy[i], context=self.ctx, verify=self.vstats)
             if self.policy.should_stop(step):
                 rnd.stopped = True
@@ -69,14 +73,14 @@ class TraceVerifier:
         self.cont, self.t = cont, 0
 
     def verify(self, proposal, s, res) -> Verdict:
-        target, t, k = self.cont.target_token, self.t, len(proposal.tokens)
+        target, t, k = self.cont.target_path, self.t, len(proposal.tokens)
         n = 0
         while n < k and int(target[t + n]) == proposal.tokens[n]:
             n += 1
         res.target_calls += 1
         self.t = t + n + 1
-        kept = [int(x) for x in self.cont.target_token[t : t + n]]
-        return Verdict(list(range(n)), kept, int(self.cont.target_token[t + n]), k, None, None, None,
+        kept = [int(x) for x in target[t : t + n]]
+        return Verdict(list(range(n)), kept, int(target[t + n]), k, None, None, None,
                        proposal=proposal)
 
 
@@ -91,8 +95,8 @@ def replay_one(policy: StopPolicy, cont: Continuation, synthetic=None, drafter=N
     drafter to replay (`trace_drafter`), on the trace's prompt."""
     drafter = drafter or TraceChain(policy, cont, synthetic)
     drafter.start([] if cont.prompt is None else [int(x) for x in cont.prompt], Sampling(),
-                  lookahead=cont.target_token.tolist())
-    res = rounds(drafter, TraceVerifier(cont), Sampling(), len(cont.accepted), GenResult(tokens=[]))
+                  lookahead=cont.target_path.tolist())
+    res = rounds(drafter, TraceVerifier(cont), Sampling(), len(cont.target_path), GenResult(tokens=[]))
     return res.rounds
 
 

@@ -319,6 +319,7 @@ class HeadBundle:
     path: str | None = None
     calibration: dict = field(default_factory=lambda: {"temperature": 1.0, "bias": 0.0, "mode": "none"})
     decode_rule: dict | None = None  # the stop rule train chose for speed on validation (eval.replay.speed_rule)
+    drafter: str = "student"  # whose traces it was trained on (their manifest's `drafter`: decode.drafter's name)
 
     @torch.no_grad()
     def logit(self, x: torch.Tensor) -> torch.Tensor:
@@ -376,7 +377,7 @@ class HeadBundle:
                 f"head{where} was trained on pair {self.pair_id} (tokenizer {self.tokenizer_hash}) but this run uses "
                 f"pair {pair.pair_id} (tokenizer {pair.tokenizer_hash}); train a head for this pair or pick its pair="
             )
-        if self.spec.reads_hidden:
+        if self.spec.reads_hidden and self.drafter == "student":  # another drafter checks its own (decode.eagle3)
             d = int(pair.draft.config.hidden_size)
             if d != self.spec.d:
                 raise UserError(
@@ -394,6 +395,7 @@ class HeadBundle:
             "tokenizer_hash": self.tokenizer_hash,
             "arch": dict(self.arch),
             "calibration": dict(self.calibration),
+            "drafter": self.drafter,
         }
 
 
@@ -435,4 +437,5 @@ def load_head(path: str | Path, map_location: str | torch.device = "cpu") -> Hea
         path=str(path),
         calibration=dict(meta.get("calibration") or {"temperature": 1.0, "bias": 0.0, "mode": "none"}),
         decode_rule=meta.get("decode_rule"),
+        drafter=str(meta.get("drafter", "student")),
     )

@@ -263,3 +263,118 @@ def test_train_eagle_learns_resumes_and_decodes_losslessly(cli, tiny_responses, 
     assert all(summary[k]["lossless"] is True for k in ("eagle3/constant", "eagle3/svip"))
     assert summary["eagle3/constant"]["acceptance_rate"] > 0
     assert summary["eagle3/constant"]["measured_c"] != summary["student/constant"]["measured_c"]
+
+
+def test_resumed_batches_go_on_where_the_steps_left_off():
+    """The data position is a function of the optimizer steps alone: a run restored at step k iterates the batches an
+    uninterrupted run would from step k on, across epoch boundaries (Lightning restores a run stopped by its time
+    budget as a finished epoch, so its epoch counter cannot say where the data was)."""
+    from train.eagle import ResumableBatches
+
+    sampler = ResumableBatches([3, 5, 2, 7, 4, 6, 1, 8, 5, 3], tokens=10, seed=4)
+    n = len(sampler.batches)
+    straight = []
+    for epoch in range(3):
+        sampler.step_of = lambda e=epoch: e * n
+        straight += list(sampler)
+    assert len(straight) == 3 * n and straight[:n] != straight[n : 2 * n]  # each epoch its own order
+    for k in (0, 3, n, n + 2, 2 * n - 1):
+        sampler.step_of = lambda k=k: k
+        assert len(sampler) == n - k % n
+        assert list(sampler) == straight[k : (k // n + 1) * n]
+
+
+def test_eagle_chain_traces_replay_what_decode_runs(tmp_path, tiny_pair, trained):
+    """trace=eagle_chain (data_gen.eagle_traces): per start position the chain EAGLE-3 drafts from there. A replay of
+    those rows (eval.replay's rounds) runs the rounds decode runs with the EAGLE-3 drafter: the same (drafted,
+    accepted) per round for stop policies that read q, with the trace's step-0 rows reading what decode's rounds
+    read — and reach weights, round positions and continuations read (start, step), not the row order."""
+    import numpy as np
+    from hydra import compose, initialize_config_dir
+
+    from data_gen.labels import make_weights
+    from data_gen.run import generate
+    from data_gen.store import load_traces
+    from decode.loop import speculative
+    from decode.policies import build_policy
+    from eval.continuations import load_continuations
+    from eval.replay_rounds import replay_one
+    from models.features.trace import continuation_starts, trace_round_positions
+    from tests.conftest import REPO
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("data_gen", ["pair=tiny_random", "dataset=mbpp", f"trace_root={tmp_path}", "progress=false",
+                                   "trace=eagle_chain", f"trace.weights={trained}", "trace.steps=4",
+                                   "trace.max_new_tokens=20", "max_prompt_tokens=40", "limit=3", "split=train"])
+    folder = generate(cfg, "train", tiny_pair)
+    ds, manifest = load_traces(folder)
+    assert manifest["drafter"] == "eagle3" and manifest["hidden_size"] == 2 * tiny_pair.target.config.hidden_size
+    cols = {k: np.asarray(v) for k, v in ds.with_format("numpy")[:].items()}
+    assert (trace_round_positions(cols) == cols["step"]).all()
+    assert continuation_starts(cols).sum() == 3
+    w = make_weights(cols, {"name": "greedy_match", "reach_weight": 0.0})  # 1 where every earlier step matched
+    ok = cols["draft_token"] == cols["target_token"]
+    reach = [all(ok[i - j : i]) for i, j in enumerate(cols["step"])]
+    assert w.tolist() == [float(r) for r in reach] and 0 < sum(reach) < len(reach)
+    conts, _, _ = load_continuations(folder)
+    eos = {tiny_pair.tokenizer.eos_token_id}
+    compared = 0
+    for cont in conts:
+        prompt = [int(x) for x in ds.filter(lambda r: r["prompt_id"] == cont.prompt_id)[0]["prompt_tokens"]]
+        n = len(cont.target_path)
+        for name, params in (("constant", {"k": 3}), ("max_confidence", {"lam": 0.3})):
+            dec = speculative(tiny_pair, prompt, _drafter(tiny_pair, trained, name, params), n, eos=eos)
+            assert dec.tokens[:n] == cont.target_path.tolist()
+            rep = replay_one(build_policy(name, params, pair=tiny_pair), cont)
+            assert rep == dec.rounds, (name, cont.prompt_id)
+            compared += len(rep)
+    assert compared > 10
+
+
+def _drafter(pair, weights, name, params):
+    from decode.drafter import build_drafter
+    from decode.policies import build_policy
+
+    return build_drafter("eagle3", pair, build_policy(name, params, pair=pair), {"weights": str(weights)})
+
+
+def test_a_head_trained_on_eagle_traces_decodes_as_it_replays(tmp_path, tiny_pair, trained):
+    """`python -m train` on trace=eagle_chain traces records the drafter in the head; EAGLE-3 runs it (reading
+    [its output ‖ the round's start feature], as the traces store it) with the rounds the replay of the same head
+    gives, and the student refuses it in one line."""
+    from decode.drafter import build_drafter
+    from decode.loop import speculative
+    from decode.policies import build_policy
+    from eval.continuations import load_continuations
+    from eval.replay_rounds import replay_one
+    from models.heads import load_head
+    from tests.conftest import run_cli
+    from utils.cli import UserError
+
+    run = tmp_path / "run"
+    r = run_cli("train", "+experiment=smoke", "trace=eagle_chain", f"trace.weights={trained}", "trace.steps=6",
+                "logger=none", f"trace_root={tmp_path / 'traces'}", f"hydra.run.dir={run}", "model=disco_plus",
+                "model.groups=[hidden]")
+    assert r.returncode == 0, r.stderr[-2000:]
+    ckpt = run / "checkpoints" / "best.ckpt"
+    bundle = load_head(ckpt)
+    assert bundle.drafter == "eagle3" and bundle.spec.reads_hidden
+    spec = f"learned:{ckpt}"
+    params = {"threshold": 0.02, "rule": "threshold", "max_len": 6}  # the traces hold 6 steps per round
+    with pytest.raises(UserError, match="trained on eagle3's traces"):
+        build_drafter("student", tiny_pair, build_policy(spec, params, pair=tiny_pair))
+    folder = next((tmp_path / "traces").glob("*--test-*"))
+    conts, _, _ = load_continuations(folder)
+    from data_gen.store import load_traces
+
+    ds, _ = load_traces(folder)
+    rounds = 0
+    for cont in conts:
+        prompt = [int(x) for x in ds.filter(lambda row: row["prompt_id"] == cont.prompt_id)[0]["prompt_tokens"]]
+        n = len(cont.target_path)
+        drafter = build_drafter("eagle3", tiny_pair, build_policy(spec, params, pair=tiny_pair),
+                                {"weights": str(trained)})
+        dec = speculative(tiny_pair, prompt, drafter, n, eos={tiny_pair.tokenizer.eos_token_id})
+        assert dec.rounds == replay_one(build_policy(spec, params, pair=tiny_pair), cont)
+        rounds += sum(1 for k, _ in dec.rounds if k > 1)
+    assert rounds > 0  # the head let some rounds run past one token

@@ -68,8 +68,9 @@ def split(items: list[dict], pct: float) -> tuple[list[dict], list[dict]]:
 
 
 class ResumableBatches(torch.utils.data.Sampler):
-    """Length-bucketed batches in an order fixed by (seed, epoch); `skip` batches are left out at the start of the
-    epoch (set by `EpochPosition` from the restored step), so a resumed run does not repeat the ones it did."""
+    """Length-bucketed batches in an order fixed by (seed, epoch), where the epoch and the batches already done in
+    it follow from the optimizer steps taken (`step_of`, the trainer's global step, read when an epoch's iterator
+    is made): a resumed run goes on with the batch after the last one it trained on, in the order it was in."""
 
     def __init__(self, lengths: list[int], tokens: int, seed: int):
         order = sorted(range(len(lengths)), key=lambda i: lengths[i])
@@ -82,15 +83,23 @@ class ResumableBatches(torch.utils.data.Sampler):
             cur.append(i)
         if cur:
             self.batches.append(cur)
-        self.seed, self.epoch, self.skip = seed, 0, 0
+        self.seed = seed
+        self.step_of = lambda: 0
+
+    def position(self) -> tuple[int, int]:
+        """(epoch, batches of it already done)."""
+        return divmod(int(self.step_of()), len(self.batches))
 
     def __iter__(self):
+        epoch, skip = self.position()
+        if skip:
+            print(f"data: epoch {epoch}, from batch {skip} of {len(self.batches)}", flush=True)
         batches = list(self.batches)
-        random.Random(self.seed * 1000003 + self.epoch).shuffle(batches)
-        return iter(batches[self.skip :])
+        random.Random(self.seed * 1000003 + epoch).shuffle(batches)
+        return iter(batches[skip:])
 
     def __len__(self):
-        return len(self.batches) - self.skip
+        return len(self.batches) - self.position()[1]
 
 
 def positions(items: list[dict]) -> int:
@@ -106,7 +115,7 @@ def subset_ids(pair) -> torch.Tensor:
 
 
 def _fit(cfg: DictConfig, pair, draft, train: list[dict], run_dir: Path):
-    from lightning import Callback, Trainer
+    from lightning import Trainer
     from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
     from datetime import timedelta
 
@@ -115,11 +124,6 @@ def _fit(cfg: DictConfig, pair, draft, train: list[dict], run_dir: Path):
 
     t = cfg.train
     sampler = ResumableBatches([len(it["ids"]) for it in train], int(t.batch_tokens), int(cfg.seed))
-
-    class EpochPosition(Callback):
-        def on_train_epoch_start(self, trainer, module):
-            sampler.epoch = trainer.current_epoch
-            sampler.skip = trainer.global_step - trainer.current_epoch * len(sampler.batches)
 
     loader = torch.utils.data.DataLoader(train, batch_sampler=sampler,
                                          collate_fn=lambda b: collate(b, pair.tokenizer.pad_token_id))
@@ -131,9 +135,10 @@ def _fit(cfg: DictConfig, pair, draft, train: list[dict], run_dir: Path):
                       precision=train_precision(t, pair),
                       max_steps=int(t.max_steps), max_time={"minutes": float(t.max_minutes)} if t.get("max_minutes")
                       else None, gradient_clip_val=float(t.grad_clip), logger=make_loggers(cfg, run_dir),
-                      callbacks=[EpochPosition(), ckpt, TQDMProgressBar(refresh_rate=10)], log_every_n_steps=10,
+                      callbacks=[ckpt, TQDMProgressBar(refresh_rate=10)], log_every_n_steps=10,
                       num_sanity_val_steps=0, use_distributed_sampler=False, enable_model_summary=False,
                       reload_dataloaders_every_n_epochs=1, default_root_dir=str(run_dir))
+    sampler.step_of = lambda: trainer.global_step  # restored from the checkpoint before the first epoch's iterator
     last = run_dir / "checkpoints" / "last.ckpt"
     resume = last if last.is_file() and cfg.get("resume", True) else None
     if resume is not None:

@@ -135,7 +135,7 @@ def fit_head(cfg: DictConfig, run_dir: Path, traces: dict, manifest: dict, spec,
         spec=spec.to_dict(), labels=cfg.labels, pos_weight=float(dm.pos_weight),
         threshold_mode=str(cfg.threshold_mode), threshold=float(cfg.threshold),
         pair_id=str(manifest.get("pair_id")), tokenizer_hash=str(manifest.get("tokenizer_hash")),
-        mean=dm.mean.tolist(), std=dm.std.tolist(),
+        drafter=str(manifest.get("drafter", "student")), mean=dm.mean.tolist(), std=dm.std.tolist(),
     )
     ckpt_dir = run_dir / "checkpoints"
     callbacks, checkpoint = make_callbacks(cfg, ckpt_dir)

@@ -34,6 +34,7 @@ class StopHeadModule(L.LightningModule):
         threshold: float = 0.5,
         pair_id: str = "",
         tokenizer_hash: str = "",
+        drafter: str = "student",
         mean: list | None = None,
         std: list | None = None,
         **spec_keys,
@@ -130,6 +131,7 @@ class StopHeadModule(L.LightningModule):
             pair_id=h.pair_id,
             tokenizer_hash=h.tokenizer_hash,
             arch=dict(h.arch or {}),
+            drafter=str(h.get("drafter", "student")),
         )
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:

@@ -32,7 +32,7 @@ class DiscoFeatures(FeatureKind):
         return [f"top{i + 1}" for i in range(spec.k)] + ["draft_entropy", "position_in_round"]
 
     def columns(self, spec):
-        return ("draft_topk", "draft_entropy", *ROUND_COLUMNS)
+        return ("draft_topk", "draft_entropy", *ROUND_COLUMNS)  # + CHAIN_COLUMNS where present: position_columns
 
     def from_columns(self, columns, spec):
         topk = torch.as_tensor(as_array(columns["draft_topk"]), dtype=torch.float32)

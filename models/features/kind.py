@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from models.features.layout import ROUND_COLUMNS
+from models.features.layout import CHAIN_COLUMNS, ROUND_COLUMNS
 from models.features.trace import trace_round_positions
 
 
@@ -24,7 +24,7 @@ class FeatureKind:
     tree = False
     # the training-free scores its heads are compared with (eval.metrics.BASELINES names), on the same rows
     baselines = ("max_q", "neg_entropy")
-    position_columns = ROUND_COLUMNS  # the trace columns `positions` reads
+    position_columns = ROUND_COLUMNS + CHAIN_COLUMNS  # the trace columns `positions` reads (the latter if present)
 
     def names(self, spec) -> list[str]:
         """Column names of the head input, in order."""

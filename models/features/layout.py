@@ -18,6 +18,9 @@ NODE_VERIFY = ("root_target_entropy", "root_target_margin")
 NO_VERIFY = [0.0, 0.0, 0.0, 0.0, 0.0]  # the first round of a continuation has no verification before it
 # the trace columns every chain row's round position reads (models.features.trace.trace_round_positions)
 ROUND_COLUMNS = ("draft_token", "target_token", "position", "prompt_id", "kind")
+# ... and, where a trace has them (eagle_chain: each row's round is explicit), its round's start and step: read
+# when present (the loaders skip the columns a trace lacks), never required
+CHAIN_COLUMNS = ("start", "step")
 
 
 def hidden_names(d: int) -> list[str]:

@@ -21,10 +21,14 @@ def as_array(x):
 
 
 def continuation_starts(columns: dict):
-    """Bool per trace row: the first row of a continuation (new prompt_id or kind, or the position not increasing)."""
+    """Bool per trace row: the first row of a continuation (new prompt_id or kind, or the position not increasing;
+    eagle_chain rows: its chain of start 0's first step)."""
     import numpy as np
 
     pos = as_array(columns["position"]).astype(np.int64)
+    if "step" in columns:
+        first = (as_array(columns["start"]) == 0) & (as_array(columns["step"]) == 0)
+        return first | _new_prompt(columns, len(pos))
     starts = np.ones(len(pos), dtype=bool)
     if len(pos) > 1:
         same = pos[1:] > pos[:-1]
@@ -36,9 +40,25 @@ def continuation_starts(columns: dict):
     return starts
 
 
-def trace_round_positions(columns: dict):
-    """Position in the draft round for each trace row: rounds cut after each greedy mismatch (draft ≠ argmax p)."""
+def _new_prompt(columns: dict, n: int):
     import numpy as np
+
+    out = np.zeros(n, dtype=bool)
+    out[:1] = True
+    for key in ("prompt_id", "kind"):
+        if key in columns and n > 1:
+            col = as_array(columns[key])
+            out[1:] |= col[1:] != col[:-1]
+    return out
+
+
+def trace_round_positions(columns: dict):
+    """Position in the draft round for each trace row: rounds cut after each greedy mismatch (draft ≠ argmax p);
+    an eagle_chain row is its chain's step, the round it belongs to being explicit."""
+    import numpy as np
+
+    if "step" in columns:
+        return as_array(columns["step"]).astype(np.int64)
 
     accepted = as_array(columns["draft_token"]) == as_array(columns["target_token"])
     starts = continuation_starts(columns)
