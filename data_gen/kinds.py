@@ -40,6 +40,11 @@ class TraceKind:
         """Width of `draft_hidden` when stored."""
         return int(pair.draft.config.hidden_size)
 
+    def cost_profile(self, pair, profile, t):
+        """The cost profile the rows' draft runs at (the manifest's, which replays and the speed rule price rounds
+        on): the pair's, measured for its draft."""
+        return profile
+
     def check(self, t) -> None:
         """Refuse settings this kind cannot trace (UserError), before anything is loaded or written."""
 
@@ -161,6 +166,12 @@ class EagleChain(TraceKind):
 
     def hidden_size(self, pair, t):  # the layer's output and the fused target feature, side by side
         return 2 * int(pair.target.config.hidden_size)
+
+    def cost_profile(self, pair, profile, t):  # EAGLE-3's own step, as decode prices it (models.eagle3)
+        from models.eagle3 import draft_profile, load_for_pair
+
+        model, path = load_for_pair(pair, t.weights, "pair")
+        return draft_profile(model, path, profile)
 
     def rows(self, pair, items, t):
         from data_gen.eagle_traces import eagle_batch

@@ -273,7 +273,7 @@ def _new_manifest(cfg: DictConfig, split: str, pair, s: Settings, plan: Plan, it
         "max_new_tokens": int(cfg.trace.max_new_tokens),
         "vocab_size": pair.vocab_size,
         # what a draft step and a target pass cost on the machine that made these traces (models.cost)
-        "cost_profile": get_profile(pair, cfg.get("profile")).to_dict(),
+        "cost_profile": kind.cost_profile(pair, get_profile(pair, cfg.get("profile")), cfg.trace).to_dict(),
         "prompts_per_shard": s.prompts_per_shard,
         "num_prompts": len(items),
         "num_shards_planned": plan.n_shards,

@@ -19,79 +19,14 @@ the cache keeps no node: the accepted path is fed again with the target's featur
 
 from __future__ import annotations
 
-import json
 import time
 
 import torch
 
 from decode.drafter import Chain, Drafter, Sampling, TreeProposal, Verdict
 from decode.lm_drafters import Student, StudentTree
-from models.eagle3 import Eagle3
+from models.eagle3 import Eagle3, draft_profile, load_for_pair
 from models.features.signals import DraftStep
-from models.lm_head import int8_float_rows
-from utils.cli import UserError
-
-
-_PROFILES: dict = {}  # (weights, pair profile key) → this draft's profile
-
-
-def load_draft(pair, weights: str, quantize: str | None) -> tuple[Eagle3, str]:
-    """The saved draft on the pair's target, in its dtype and device, prepared for drafting (models.eagle3
-    `prepare`: the pair's linear products; int8 where `quantize` says, `pair` following pair.draft.quantize)."""
-    from pathlib import Path
-
-    from models.student import REPO_ROOT
-
-    q = pair.cfg.draft.get("quantize") if quantize == "pair" else quantize
-    if q not in (None, "int8"):
-        raise UserError(f"drafter eagle3's quantize must be pair, int8 or null, got '{quantize}'")
-    path = Path(str(weights))
-    path = path if path.is_absolute() else REPO_ROOT / path
-    model = Eagle3.load(path, pair.target).to(device=pair.device, dtype=pair.dtype).eval()
-    return model.prepare(pair.linear, int8=q == "int8", float_rows=int8_float_rows(pair.cfg.draft)), str(path)
-
-
-def _profile(model: Eagle3, weights: str, profile):
-    """The pair's profile with the draft's curves measured on this draft (its step on n new tokens after
-    `profile.context` cached positions, a tree level of n nodes likewise, medians of 15 timed calls; the first step
-    of a round is priced as a warm one, and a prefill as one call on the prompt): what its rounds cost, for the cost
-    model, the expected-value rule and the tree builders. Measured once per weights and profile."""
-    import dataclasses
-
-    if profile is None:
-        return None
-    key = (weights, json.dumps(profile.key, sort_keys=True, default=str))
-    if key not in _PROFILES:
-        ms = [_step_ms(model, n, profile.context) for n in range(1, len(profile.draft_ms) + 1)]
-        level = None if not profile.draft_level_ms else [
-            _step_ms(model, n, profile.context, tree=True) for n in range(1, len(profile.draft_level_ms) + 1)]
-        pre = [_step_ms(model, L, 0) for L in profile.prefill_lengths]
-        _PROFILES[key] = dataclasses.replace(profile, key={**profile.key, "draft": "eagle3"}, draft_ms=ms,
-                                             draft_cold_ms=ms[0], prefill_draft_ms=pre, draft_level_ms=level)
-    return _PROFILES[key]
-
-
-@torch.inference_mode()
-def _step_ms(m: Eagle3, n: int, context: int, tree: bool = False, repeats: int = 15) -> float:
-    dev = m.ids.device
-    h = torch.zeros(context + n, m.cfg.hidden, device=dev, dtype=next(m.parameters()).dtype)
-    toks = torch.zeros(context + n, dtype=torch.long, device=dev)
-    cache = m.new_cache()
-    if context:
-        m.step(toks[:context], h[:context], cache)
-    tree_args = {}
-    if tree:  # n nodes that each see the context and themselves: a level's call (its mask, its positions)
-        mask = torch.zeros(n, context + n, dtype=torch.bool, device=dev)
-        mask[:, :context] = True
-        mask[:, context:] = torch.eye(n, dtype=torch.bool, device=dev)
-        tree_args = {"positions": torch.full((n,), context, device=dev), "mask": mask}
-    times = []
-    for _ in range(repeats + 3):
-        cache.crop(context)
-        t0 = time.perf_counter()
-        m.logits(m.step(toks[context:], h[context:], cache, **tree_args))
-        times.append((time.perf_counter() - t0) * 1000)
-    return float(sorted(times[3:])[repeats // 2])
 
 
 class Eagle3Drafter(Drafter):
@@ -100,7 +35,7 @@ class Eagle3Drafter(Drafter):
 
     def __init__(self, pair, policy, weights: str, quantize: str | None = "pair"):
         super().__init__(policy)
-        self.model, self.weights = load_draft(pair, weights, quantize)
+        self.model, self.weights = load_for_pair(pair, weights, quantize)
         self.layers = tuple(self.model.cfg.layers)
         self.vocab = int(pair.vocab_size)
         self.support = self.model.ids
@@ -116,7 +51,7 @@ class Eagle3Drafter(Drafter):
         return None
 
     def profile_of(self, profile):
-        return _profile(self.model, self.weights, profile)
+        return draft_profile(self.model, self.weights, profile)
 
     def describe(self) -> dict:
         return {"name": self.name, "layers": list(self.layers), "policy": self.policy.describe()}
@@ -221,7 +156,7 @@ class Eagle3Tree(StudentTree):
 
     def __init__(self, pair, policy, weights: str, quantize: str | None = "pair"):
         Drafter.__init__(self, policy)
-        self.model, self.weights = load_draft(pair, weights, quantize)
+        self.model, self.weights = load_for_pair(pair, weights, quantize)
         self.layers = tuple(self.model.cfg.layers)
         self.draft = _TreeDraft(self.model, int(pair.vocab_size))
 
@@ -234,7 +169,7 @@ class Eagle3Tree(StudentTree):
         return None
 
     def profile_of(self, profile):
-        return _profile(self.model, self.weights, profile)
+        return draft_profile(self.model, self.weights, profile)
 
     def start(self, prompt_ids, s: Sampling, lookahead=None) -> None:
         super().start(prompt_ids, s, lookahead)
