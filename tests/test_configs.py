@@ -65,7 +65,7 @@ def test_every_experiment_composes(name):
     feat = head_family(cfg.model.kind).features
     if feat == "hidden":  # hidden-state heads need traces that store the draft hidden state
         assert cfg.trace.store_hidden, name
-    assert cfg.trace.kind in ("target_ar", "interleaved", "tree")
+    assert cfg.trace.kind in ("target_ar", "interleaved", "tree", "eagle_chain")
     # token-tree node heads train on tree traces with the tree label, chain heads on chain traces (issue 30)
     tree = feature_kind(feat).tree
     assert (cfg.trace.kind == "tree") == tree and is_node(cfg.labels) == tree, name
