@@ -52,6 +52,11 @@ class TraceKind:
         """Added to the folder's decoding part: settings that change the rows and are not common to every kind."""
         return ""
 
+    def files(self, t) -> dict:
+        """Content fingerprints of files the rows depend on beyond the pair's (in the config hash: new weights at
+        the same path make new traces)."""
+        return {}
+
     def hash_extra(self) -> dict:
         """Entries of the config hash beside the common ones (a format number of the kind's own columns)."""
         return {}
@@ -157,6 +162,16 @@ class EagleChain(TraceKind):
 
     def folder_suffix(self, t):
         return f"-K{int(t.get('steps', 8))}"
+
+    def files(self, t):
+        from pathlib import Path
+
+        from models.pair import file_fingerprint
+        from models.student import REPO_ROOT
+
+        path = Path(str(t.get("weights")))
+        path = path if path.is_absolute() else REPO_ROOT / path
+        return {"weights": file_fingerprint(path)} if path.is_file() else {}
 
     def manifest_extra(self, t):
         return {"eagle": {"weights": str(t.get("weights")), "steps": int(t.get("steps", 8))}}

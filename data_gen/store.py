@@ -90,6 +90,9 @@ def hash_payload(cfg: DictConfig) -> dict:
         pair["draft_files"] = files
     trace = OmegaConf.to_container(cfg.trace, resolve=True)
     trace.pop("_target_", None)  # the kind is recorded by name (`kind`): folders from before the key keep their hash
+    files = trace_kind(cfg.trace).files(cfg.trace)
+    if files:  # a kind's own draft (eagle_chain's weights), by content as the pair's
+        trace["files"] = files
     return {
         "format": FORMAT_VERSION,
         **trace_kind(cfg.trace).hash_extra(),

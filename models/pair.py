@@ -162,6 +162,12 @@ def _fingerprint(path: str, size: int, mtime_ns: int) -> str:  # size and mtime:
     return sha256_file(Path(path))[:16]
 
 
+def file_fingerprint(path: Path) -> str:
+    """A file's content fingerprint (sha256, 16 hex), as `draft_files` records them."""
+    st = Path(path).stat()
+    return _fingerprint(str(path), st.st_size, st.st_mtime_ns)
+
+
 # ------------------------------------------------------------------------------------------------------- tokenizers
 
 

@@ -302,9 +302,15 @@ def test_eagle_chain_traces_replay_what_decode_runs(tmp_path, tiny_pair, trained
     from models.features.trace import continuation_starts, trace_round_positions
     from tests.conftest import REPO
 
+    import shutil
+
+    from utils.cli import UserError
+
+    weights = tmp_path / "e3.safetensors"
+    shutil.copy(trained, weights)
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose("data_gen", ["pair=tiny_random", "dataset=mbpp", f"trace_root={tmp_path}", "progress=false",
-                                   "trace=eagle_chain", f"trace.weights={trained}", "trace.steps=4",
+                                   "trace=eagle_chain", f"trace.weights={weights}", "trace.steps=4",
                                    "trace.max_new_tokens=20", "max_prompt_tokens=40", "limit=3", "split=train"])
     folder = generate(cfg, "train", tiny_pair)
     ds, manifest = load_traces(folder)
@@ -330,6 +336,9 @@ def test_eagle_chain_traces_replay_what_decode_runs(tmp_path, tiny_pair, trained
             assert rep == dec.rounds, (name, cont.prompt_id)
             compared += len(rep)
     assert compared > 10
+    draft_for(tiny_pair, seed=5).save(weights, {})  # another draft at the same path: its traces are not these
+    with pytest.raises(UserError, match="another config"):
+        generate(cfg, "train", tiny_pair)
 
 
 def _drafter(pair, weights, name, params):
