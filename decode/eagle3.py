@@ -10,7 +10,9 @@ token step j chose and step j's own output as its feature. After the verificatio
 positions (they were run on the draft's features, not the target's) and the committed tokens wait for the next round
 with their true features — so a drafted position is never kept on a guessed feature.
 
-`DraftStep.hidden` is the layer's output (the draft's guess of the target's next feature), for heads that read it.
+A stop head that reads the hidden state gets [the layer's output at the step (the draft's guess of the target's
+next feature) ‖ the fused target feature the round began from], as trace=eagle_chain rows store it; heads trained
+on those traces (HeadBundle.drafter "eagle3") are the ones this drafter runs.
 
 A tree grows by the student's code (models.tree.grow: one call per level, tree attention); each node reads its
 parent's output as its feature (the root's children: the last true-feature position's), and after the verification

@@ -248,6 +248,10 @@ def test_train_eagle_learns_resumes_and_decodes_losslessly(cli, tiny_responses, 
         return pd.read_csv(run / "csv" / "metrics.csv").dropna(subset=["train/loss"])["train/loss"]
 
     start = losses().iloc[:2].mean()
+    for want in (31, 32):  # a time budget is each invocation's own: a resumed run goes on even past the sum
+        r = cli(*args, "train.max_steps=60", "train.max_minutes=0.00001")
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert json.loads(out.with_suffix(".train.json").read_text())["steps"] == want
     r = cli(*args, "train.max_steps=60")  # the same run, continued
     assert r.returncode == 0, r.stderr[-2000:]
     assert "resuming from" in r.stdout

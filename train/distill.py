@@ -89,8 +89,8 @@ def _fit(cfg: DictConfig, pair: Pair, student, train: list[dict], run_dir: Path,
                            train_time_interval=timedelta(minutes=float(tcfg.ckpt_minutes)))
     trainer = Trainer(
         accelerator="cuda" if pair.device.type == "cuda" else "cpu", devices=1, precision=train_precision(tcfg, pair),
-        max_steps=int(tcfg.max_steps), max_time={"minutes": float(tcfg.max_minutes)} if tcfg.get("max_minutes") else None,
-        gradient_clip_val=float(tcfg.grad_clip), callbacks=[snaps, ckpt], logger=CSVLogger(str(run_dir), name="csv"),
+        max_steps=int(tcfg.max_steps), gradient_clip_val=float(tcfg.grad_clip),
+        callbacks=[snaps, ckpt, *time_budget(tcfg.get("max_minutes"))], logger=CSVLogger(str(run_dir), name="csv"),
         log_every_n_steps=10, num_sanity_val_steps=0, use_distributed_sampler=False, enable_model_summary=False,
         default_root_dir=str(run_dir))
     last = run_dir / "checkpoints" / "last.ckpt"
@@ -101,6 +101,27 @@ def _fit(cfg: DictConfig, pair: Pair, student, train: list[dict], run_dir: Path,
     if trainer.global_step < int(tcfg.max_steps):  # stopped by the time budget: keep exactly where it stands
         trainer.save_checkpoint(str(last))
     return trainer, snaps, len(loader)
+
+
+def time_budget(minutes) -> list:
+    """A callback list that stops training (cleanly, with a checkpoint) once this invocation has run `minutes`
+    (none for null). Not Lightning's `max_time`: its Timer restores the time of the runs before from the checkpoint,
+    so a resumed run whose earlier parts used up the budget stopped at once instead of going on for `minutes`."""
+    if not minutes:
+        return []
+    import time
+
+    from lightning import Callback
+
+    class StopAfter(Callback):
+        def on_train_start(self, trainer, module):
+            self.end = time.monotonic() + 60.0 * float(minutes)
+
+        def on_train_batch_end(self, trainer, *args):
+            if time.monotonic() >= self.end:
+                trainer.should_stop = True
+
+    return [StopAfter()]
 
 
 def train_precision(tcfg: DictConfig, pair: Pair) -> str:
