@@ -6,8 +6,10 @@ holds one row per position. EAGLE-3's does: step j of a round reads the draft's 
 features, so the row of position t + j drafted by a round that began at t is its own row. Rounds begin anywhere, so
 every start t gets the chain a round beginning there drafts: steps j = 0 .. K − 1 (`trace.steps`), each fed the
 target's token y_{t+j−1} (a step is reached only when the ones before it were accepted, and under greedy an accepted
-token is the target's). One training-time-test pass of the draft (models.eagle3.forward_steps, tested equal to
-drafting) gives all of them: step j's row P + t − 2 (P prompt tokens) is the round-at-t chain's j-th token.
+token is the target's; past a round's first rejection the decoder's later steps read the rejected token instead,
+the one approximation a replay keeps, as on the student's traces). One training-time-test pass of the draft
+(models.eagle3.forward_steps, tested equal to drafting) gives all of them: step j's row P + t − 2 (P prompt tokens)
+is the round-at-t chain's j-th token.
 
 Columns: those of target_ar rows (position = t + j, the drafted token's place in the continuation, and its q, p
 statistics) plus `start` (t) and `step` (j); the rows of one start are in step order, starts in order. With
@@ -53,6 +55,8 @@ def eagle_rows(pair, draft, it: Item, cont: list[int], p_logits: torch.Tensor, t
     fused = draft.fuse(feats)
     cols: dict[str, list] = {}
     for j, out in enumerate(outs):
+        if j >= n:  # a continuation shorter than the steps: no start drafts this far
+            break
         starts = torch.arange(0, n - j)
         rows = P + starts - 2  # the row of forward_steps that drafts y_{t+j} at step j of a round begun at t
         keep = rows >= 0

@@ -67,10 +67,10 @@ def methods_from_cfg(cfg: DictConfig) -> list[Method]:
     keys = [m.key for m in out]
     if len(set(keys)) != len(keys):
         raise UserError(f"policies lists a method twice: {keys}")
-    if cfg.get("tuned"):
-        out = apply_tuned(out, Path(str(cfg.tuned)))
     if cfg.get("drafters"):
         out = with_drafters(out, cfg)
+    if cfg.get("tuned"):
+        out = apply_tuned(out, Path(str(cfg.tuned)))
     if float(cfg.temperature) > 0:
         greedy_only = [m for m in out if m.policy_class.greedy_only]
         if greedy_only:
@@ -84,9 +84,11 @@ def methods_from_cfg(cfg: DictConfig) -> list[Method]:
 def method_entry(table: dict, key: str, name: str, ckpt=None) -> dict | None:
     """A method's entry in a per-method table written by another run (tuned.json's `chosen`, a summary.json): by its
     key, else by `<name>:<ckpt file stem>` — a head is keyed `learned` when listed alone and `learned:<file stem>`
-    beside another head, so the same head can carry either key."""
-    for k in (key, f"{name}:{Path(str(ckpt)).stem}" if ckpt else None):
-        if k in table:
+    beside another head, so the same head can carry either key — each also without its `drafter/` prefix."""
+    drafter, _, bare = key.rpartition("/")  # `drafter/<key>` in a run with drafters (with_drafters)
+    alt = f"{name}:{Path(str(ckpt)).stem}" if ckpt else None
+    for k in (key, bare, alt and f"{drafter}/{alt}" if drafter else None, alt):
+        if k and k in table:  # a table from a run without drafters serves each drafter's method of that key
             return table[k]
     return None
 

@@ -9,8 +9,8 @@ as results/eagle/bar.json (and bar.md).
   mean accepted length, and EAGLE-2's tree on EAGLE-3 with and without SVIP deciding its depth.
 - `specbench`: the same run on Spec-Bench (tasks in prompts.jsonl): best student and EAGLE-3 methods pooled, and
   the EAGLE-3 best method's speedup on its worst task.
-- `heads`: a JSON with the learned-head answer on EAGLE-3 traces (`auroc_head`, `auroc_max_q`,
-  `replay_learned_vs_ev`, `replay_ci`, `wall_learned_vs_ev`); absent: those stay null.
+- `heads`: `python -m eval.bar`'s bar.json on EAGLE-3's traces and wall run (results/eagle/heads/bar.json): the
+  best head against the best training-free policy, replayed and on the clock, and AUROCs; absent: those stay null.
 
 A field whose run is missing is null, and `missing` says which command fills it. Nothing here times anything.
 """
@@ -87,6 +87,18 @@ def specbench_part(folder: Path, summary: dict) -> dict:
             "by_task": tasks, "methods": {"student": student, "eagle": eagle}}
 
 
+def heads_part(bar: dict) -> dict:
+    """The learned-head fields from an `eval.bar` bar.json on EAGLE-3's traces and wall run: the best head against
+    the best training-free policy (the replay's choice; expected value there, as with the student), with the
+    replay's paired interval, and the heads' and max q's AUROC on the same rows."""
+    replay, wall, auroc = bar.get("replay") or {}, bar.get("wall") or {}, bar.get("auroc") or {}
+    return {"auroc_head": auroc.get("head"), "auroc_max_q": auroc.get("max_q"),
+            "replay_learned_vs_ev": replay.get("ratio"), "replay_ci": replay.get("ratio_ci"),
+            "wall_learned_vs_ev": wall.get("ratio"), "wall_ci": wall.get("ratio_ci"),
+            "methods": {"replay": [replay.get("best_learned"), replay.get("best_training_free")],
+                        "wall": [wall.get("best_learned"), wall.get("best_training_free")]}}
+
+
 def gather(mbpp: Path | None, specbench: Path | None, heads: Path | None) -> dict:
     out, missing = {"prompts": None}, []
     s = _summary(mbpp)
@@ -111,10 +123,10 @@ def gather(mbpp: Path | None, specbench: Path | None, heads: Path | None) -> dic
     else:
         out["specbench"] = specbench_part(specbench, s)
     if heads is not None and heads.is_file():
-        h = json.loads(heads.read_text())
-        out["heads"] = {k: h.get(k) for k in HEAD_KEYS}
+        out["heads"] = heads_part(json.loads(heads.read_text()))
     else:
-        missing.append("heads: stop heads on EAGLE-3 traces (not built yet)")
+        missing.append(f"heads: python -m eval.bar bar.replay=results/eagle/replay_mbpp bar.wall=results/eagle/wall_mbpp "
+                       f"bar.out={heads}")
         out["heads"] = dict.fromkeys(HEAD_KEYS)
     out["missing"] = missing
     return out

@@ -170,3 +170,16 @@ def test_a_profile_reading_policy_reads_its_drafters_profile(tiny_pair):
     built = _drafters(tiny_pair, methods, prof)
     student, lookup = (built[f"{d}/expected_value"].policy.rule.time for d in ("student", "lookup"))
     assert lookup[3] == pytest.approx(prof.round_steps(0, 3)) and lookup[3] < student[3]
+
+
+def test_tuned_parameters_reach_methods_keyed_by_drafter():
+    """A tuned.json written by a run with drafters (keys `drafter/policy`, e.g. eval.replay on EAGLE-3's traces) or
+    without (bare keys) sets the parameters of a decode run with drafters, heads matched by file stem too."""
+    from decode.methods import method_entry
+
+    table = {"eagle3/expected_value": {"a": 1.0}, "eagle3/learned:disco_eagle3_mbpp": {"b": 2.0}, "svip": {"h": 0.3}}
+    head = "models/weights/heads/disco_eagle3_mbpp.ckpt"
+    assert method_entry(table, "eagle3/expected_value", "expected_value") == {"a": 1.0}
+    assert method_entry(table, "eagle3/learned", "learned", head) == {"b": 2.0}
+    assert method_entry(table, "student/svip", "svip") == method_entry(table, "svip", "svip") == {"h": 0.3}
+    assert method_entry(table, "student/expected_value", "expected_value") is None

@@ -290,7 +290,9 @@ def test_resumed_batches_go_on_where_the_steps_left_off():
 
 def test_eagle_chain_traces_replay_what_decode_runs(tmp_path, tiny_pair, trained):
     """trace=eagle_chain (data_gen.eagle_traces): per start position the chain EAGLE-3 drafts from there. A replay of
-    those rows (eval.replay's rounds) runs the rounds decode runs with the EAGLE-3 drafter: the same (drafted,
+    those rows (eval.replay's rounds) runs the rounds decode runs with the EAGLE-3 drafter (each round starts where
+    decode's does; past a round's first rejection the rows read the target's token, not the rejected one — here the
+    policies' decisions there agree): the same (drafted,
     accepted) per round for stop policies that read q, with the trace's step-0 rows reading what decode's rounds
     read — and reach weights, round positions and continuations read (start, step), not the row order."""
     import numpy as np
