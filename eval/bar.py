@@ -41,7 +41,7 @@ def key_class(key: str):
     decode finds it; None for a key that names no policy (the replay's synthetic heads)."""
     from decode.policies import policy_class
 
-    return policy_class(key.split(":")[0].split("[")[0])
+    return policy_class(key.rpartition("/")[2].split(":")[0].split("[")[0])  # without a `drafter/` prefix
 
 
 def is_learned(key: str) -> bool:
@@ -69,6 +69,13 @@ def per_prompt(path: Path, methods: list[str], fields: tuple[str, ...]) -> tuple
     return ids, {m: {f: np.array([rows[m][i][f] for i in ids], dtype=float) for f in fields} for m in methods}
 
 
+def drafter_prefix(keys) -> str:
+    """`<drafter>/` when every method key of a table carries that one drafter (a replay or decode with
+    `drafters=[name]`), else ''."""
+    heads = {k.partition("/")[0] for k in keys if "/" in k}
+    return f"{heads.pop()}/" if len(heads) == 1 and all("/" in k for k in keys) else ""
+
+
 def best(speedups: dict, pick) -> str:
     keys = [k for k in speedups if pick(k)]
     if not keys:
@@ -85,14 +92,16 @@ def replay_bar(folder: Path, n_resamples: int) -> dict:
     table = result["eval"]
     speed = {k: r["cost_model_speedup"] for k, r in table.items() if not k.startswith("synthetic")}
     learned, free = best(speed, is_learned), best(speed, is_training_free)
-    need = [learned, free] + [k for k in ("static_opt", "oracle") if k in speed]
+    pre = drafter_prefix(speed)
+    lo, hi = f"{pre}static_opt", f"{pre}oracle"
+    need = [learned, free] + [k for k in (lo, hi) if k in speed]
     ids, pp = per_prompt(folder / "prompts.jsonl", need, ("cost_ms", "target_cost_ms"))
 
     def stat(idx, axis=-1):  # every method generates the same tokens per prompt: speedup = Σ target cost ÷ Σ cost
         s = {m: pp[m]["target_cost_ms"][idx].sum(-1) / pp[m]["cost_ms"][idx].sum(-1) for m in need}
         out = [s[learned] / s[free]]
-        if "oracle" in s and "static_opt" in s:
-            out.append(oracle_gap_closed(s[learned], s["static_opt"], s["oracle"]))
+        if hi in s and lo in s:
+            out.append(oracle_gap_closed(s[learned], s[lo], s[hi]))
         return np.stack(out)
 
     cis = bootstrap_ci(len(ids), stat, n_resamples)
@@ -103,8 +112,8 @@ def replay_bar(folder: Path, n_resamples: int) -> dict:
     if len(full) > 1:
         out.update(gap_closed=float(full[1]), gap_closed_ci=cis[1])
     aurocs = {"head": table[learned].get("score_auroc"),
-              "max_q": (table.get("max_confidence") or {}).get("score_auroc"),
-              "neg_entropy": (table.get("svip") or table.get("adaedl") or {}).get("score_auroc")}
+              "max_q": (table.get(f"{pre}max_confidence") or {}).get("score_auroc"),
+              "neg_entropy": (table.get(f"{pre}svip") or table.get(f"{pre}adaedl") or {}).get("score_auroc")}
     settings = {k: result["settings"].get(k) for k in ("tune", "eval", "c", "c_from", "pair", "date")}
     return {"replay": out, "auroc": aurocs, "replay_settings": settings}
 

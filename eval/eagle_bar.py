@@ -1,5 +1,5 @@
 """`python -m eval.eagle_bar`: issue 53's numbers about the EAGLE-3 draft, gathered from the runs that measure them,
-as results/eagle/bar.json (and bar.md).
+as results/eagle/bar.json (and bar.md). "Best" is the fastest method on the clock in that run.
 
     python -m eval.eagle_bar [eagle_bar.mbpp=results/eagle/mbpp] [eagle_bar.specbench=results/eagle/specbench]
                              [eagle_bar.heads=PATH]
@@ -36,9 +36,10 @@ def is_tree(key: str) -> bool:
     return bool(getattr(_class_of(policy_target(name), name), "tree", False))
 
 
-def _best(summary: dict, drafter: str, tree: bool) -> str | None:
+def _best(summary: dict, drafter: str, tree: bool | None) -> str | None:
+    """The drafter's fastest method: among its chains (tree False), its trees (True) or all (None)."""
     keys = [k for k, s in summary.items() if isinstance(s, dict) and s.get("drafter") == drafter
-            and is_tree(k) == tree]
+            and (tree is None or is_tree(k) == tree)]
     return max(keys, key=lambda k: summary[k]["speedup"]) if keys else None
 
 
@@ -49,7 +50,8 @@ def _summary(folder: Path | None) -> dict | None:
 
 
 def mbpp_part(summary: dict) -> dict:
-    keys = {d: _best(summary, d, False) for d in ("student", "eagle3", "lookup")}
+    keys = {"student": _best(summary, "student", None), "eagle3": _best(summary, "eagle3", False),
+            "lookup": _best(summary, "lookup", None)}
     tree = _best(summary, "eagle3", True)
 
     def field(key, name):
@@ -76,9 +78,7 @@ def task_speedups(folder: Path, method: str) -> dict[str, float]:
 
 
 def specbench_part(folder: Path, summary: dict) -> dict:
-    student = _best(summary, "student", False) or _best(summary, "student", True)
-    eagle = max((k for k in (_best(summary, "eagle3", False), _best(summary, "eagle3", True)) if k),
-                key=lambda k: summary[k]["speedup"], default=None)
+    student, eagle = _best(summary, "student", None), _best(summary, "eagle3", None)
     tasks = task_speedups(folder, eagle) if eagle else {}
     worst = min(tasks, key=tasks.get) if tasks else None
     return {"student_best": summary[student]["speedup"] if student else None,
@@ -146,8 +146,17 @@ def markdown(res: dict) -> str:
              f"| measured c | {f(m['c_student'], '{:.3f}')} | {f(m['c_eagle'], '{:.3f}')} | | |",
              f"| mean accepted length | {f(m['tau_student'])} | {f(m['tau_eagle'])} | | |",
              f"| Spec-Bench best (pooled) | {f(sb['student_best'])} | {f(sb['eagle_best'])} | | |", "",
+             "Best methods: " + ", ".join(f"{k} `{v}`" for k, v in m.get("methods", {}).items() if v) + ". "
+             + ("" if not sb.get("worst_task") else f"Spec-Bench's worst task for EAGLE-3's best method: "
+                f"{sb['worst_task']['task']} {sb['worst_task']['speedup']:.2f}×."), "",
              f"EAGLE-2's tree on EAGLE-3: {f(res['svip_eagle2']['eagle2'])}×, with SVIP deciding its depth "
              f"{f(res['svip_eagle2']['svip_eagle2'])}×."]
+    h = res["heads"]
+    if h.get("replay_learned_vs_ev") is not None:
+        lo, hi = h["replay_ci"]
+        lines += ["", f"Stop heads on EAGLE-3's traces: the best head ÷ the best training-free policy {h['replay_learned_vs_ev']:.3f} "
+                  f"[{lo:.3f}, {hi:.3f}] in the replay, {h['wall_learned_vs_ev']:.3f} on the clock; AUROC "
+                  f"{h['auroc_head']:.3f} (max q {h['auroc_max_q']:.3f})."]
     if res["missing"]:
         lines += ["", "Missing: " + "; ".join(res["missing"])]
     return "\n".join(lines) + "\n"

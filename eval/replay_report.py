@@ -73,13 +73,16 @@ def compare(table: dict, run_dir: Path) -> dict:
 
 def gap_closed(table: dict) -> dict:
     """Share of the static_opt → oracle cost-model gap each other method closes (negative: below static_opt)."""
-    if "static_opt" not in table or "oracle" not in table:
+    from eval.bar import drafter_prefix
+
+    pre = drafter_prefix([k for k in table if not k.startswith("synthetic")])
+    ends = (f"{pre}static_opt", f"{pre}oracle")
+    if any(k not in table for k in ends):
         return {}
-    lo, hi = table["static_opt"]["cost_model_speedup"], table["oracle"]["cost_model_speedup"]
+    lo, hi = (table[k]["cost_model_speedup"] for k in ends)
     if hi <= lo:
         return {}
-    return {k: oracle_gap_closed(r["cost_model_speedup"], lo, hi) for k, r in table.items()
-            if k not in ("static_opt", "oracle")}
+    return {k: oracle_gap_closed(r["cost_model_speedup"], lo, hi) for k, r in table.items() if k not in ends}
 
 
 def plot(result: dict, path: Path) -> Path | None:

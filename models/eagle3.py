@@ -338,7 +338,7 @@ def draft_profile(model: Eagle3, weights: str, profile):
         level = None if not profile.draft_level_ms else [
             _step_ms(model, n, profile.context, tree=True) for n in range(1, len(profile.draft_level_ms) + 1)]
         pre = [_step_ms(model, L, 0) for L in profile.prefill_lengths]
-        _PROFILES[key] = dataclasses.replace(profile, key={**profile.key, "draft": "eagle3"}, draft_ms=ms,
+        _PROFILES[key] = dataclasses.replace(profile, key={**profile.key, "drafter": "eagle3"}, draft_ms=ms,
                                              draft_cold_ms=ms[0], prefill_draft_ms=pre, draft_level_ms=level)
     return _PROFILES[key]
 

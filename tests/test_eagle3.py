@@ -321,7 +321,7 @@ def test_eagle_chain_traces_replay_what_decode_runs(tmp_path, tiny_pair, trained
     folder = generate(cfg, "train", tiny_pair)
     ds, manifest = load_traces(folder)
     assert manifest["drafter"] == "eagle3" and manifest["hidden_size"] == 2 * tiny_pair.target.config.hidden_size
-    assert manifest["cost_profile"]["key"]["draft"] == "eagle3"  # rounds priced on EAGLE-3's own step
+    assert manifest["cost_profile"]["key"]["drafter"] == "eagle3"  # rounds priced on EAGLE-3's own step
     cols = {k: np.asarray(v) for k, v in ds.with_format("numpy")[:].items()}
     assert (trace_round_positions(cols) == cols["step"]).all()
     assert continuation_starts(cols).sum() == 3
