@@ -417,3 +417,15 @@ class Eagle2(GrownTree):
         return {**super().describe(), "topk": self.topk, "max_nodes": self.max_nodes, "nodes": self.nodes,
                 "threshold": self.threshold,
                 "svip": None if self.svip is None else {**self.svip[0].describe(), "every": self.svip[1]}}
+
+
+class Eagle2SVIP(Eagle2):
+    """EAGLE-2's tree with SVIP deciding its depth, as the SVIP paper applies it (§4.4, Table 4): `eagle2` with its
+    `svip` rule on by default (every two levels, stop when √(c·H) > h; official c = 0.15, h = 0.3), so the two sit
+    side by side in one run under their own names."""
+
+    name = "eagle2_svip"
+
+    def __init__(self, *args, svip: dict | None = None, **kwargs):
+        super().__init__(*args, svip={"c": 0.15, "h": 0.3, "every": 2} if svip is None else svip, **kwargs)
+
