@@ -29,13 +29,10 @@ from models.distributions import greedy_ids
 
 def load_eagle(pair, t):
     """The trace config's EAGLE-3 draft on the pair's target, in float32 (traces are statistics, not timings)."""
-    from pathlib import Path
-
+    from data_gen.kinds import EagleChain
     from models.eagle3 import Eagle3
-    from models.student import REPO_ROOT
 
-    path = Path(str(t.weights))
-    return Eagle3.load(path if path.is_absolute() else REPO_ROOT / path, pair.target).float().eval()
+    return Eagle3.load(EagleChain.weights(t), pair.target).float().eval()
 
 
 @torch.no_grad()

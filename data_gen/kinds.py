@@ -147,30 +147,31 @@ class EagleChain(TraceKind):
     hidden_default = True
     replays_rounds = True
 
-    def check(self, t):
+    @staticmethod
+    def weights(t):
         from pathlib import Path
 
         from models.student import REPO_ROOT
 
+        path = Path(str(t.get("weights")))
+        return path if path.is_absolute() else REPO_ROOT / path
+
+    def check(self, t):
         if float(t.get("temperature", 0.0)) != 0.0:
             raise UserError("trace=eagle_chain records greedy rounds only; set trace.temperature=0")
         if int(t.get("steps", 8)) < 1:
             raise UserError(f"trace.steps must be >= 1, got {t.get('steps')}")
-        path = Path(str(t.get("weights")))
-        if not (path if path.is_absolute() else REPO_ROOT / path).is_file():
-            raise UserError(f"trace.weights={path} is not a file; train an EAGLE-3 draft with python -m train.eagle")
+        if not self.weights(t).is_file():
+            raise UserError(f"trace.weights={t.get('weights')} is not a file; train an EAGLE-3 draft with "
+                            "python -m train.eagle")
 
     def folder_suffix(self, t):
         return f"-K{int(t.get('steps', 8))}"
 
     def files(self, t):
-        from pathlib import Path
-
         from models.pair import file_fingerprint
-        from models.student import REPO_ROOT
 
-        path = Path(str(t.get("weights")))
-        path = path if path.is_absolute() else REPO_ROOT / path
+        path = self.weights(t)
         return {"weights": file_fingerprint(path)} if path.is_file() else {}
 
     def manifest_extra(self, t):

@@ -1,5 +1,6 @@
-"""Greedy target_ar traces as continuations: the rows a replay reads rounds off (eval.replay, train's speed rule),
-loaded and checked in one line when they are not greedy target_ar traces."""
+"""Greedy traces as continuations: the rows a replay reads rounds off (eval.replay, train's speed rule) — target_ar's
+one row per position, eagle_chain's one chain per start position (`Continuation.row`) — refused in one line when they
+are not greedy traces of a kind whose rows follow the target's continuation."""
 
 from __future__ import annotations
 
