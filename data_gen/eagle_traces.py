@@ -27,12 +27,21 @@ from data_gen.traces import Item, position_stats, rollout
 from models.distributions import greedy_ids
 
 
+def weights_path(t):
+    """The trace config's EAGLE-3 weights (`trace.weights`; relative paths under the repository)."""
+    from pathlib import Path
+
+    from models.student import REPO_ROOT
+
+    path = Path(str(t.get("weights")))
+    return path if path.is_absolute() else REPO_ROOT / path
+
+
 def load_eagle(pair, t):
     """The trace config's EAGLE-3 draft on the pair's target, in float32 (traces are statistics, not timings)."""
-    from data_gen.kinds import EagleChain
     from models.eagle3 import Eagle3
 
-    return Eagle3.load(EagleChain.weights(t), pair.target).float().eval()
+    return Eagle3.load(weights_path(t), pair.target).float().eval()
 
 
 @torch.no_grad()

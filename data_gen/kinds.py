@@ -149,12 +149,9 @@ class EagleChain(TraceKind):
 
     @staticmethod
     def weights(t):
-        from pathlib import Path
+        from data_gen.eagle_traces import weights_path
 
-        from models.student import REPO_ROOT
-
-        path = Path(str(t.get("weights")))
-        return path if path.is_absolute() else REPO_ROOT / path
+        return weights_path(t)
 
     def check(self, t):
         if float(t.get("temperature", 0.0)) != 0.0:
