@@ -109,11 +109,9 @@ def gather(mbpp: Path | None, specbench: Path | None, heads: Path | None) -> dic
         out["svip_eagle2"] = {"eagle2": None, "svip_eagle2": None}
     else:
         out["mbpp"] = mbpp_part(s)
-        out["prompts"] = s["target"].get("n_prompts") if isinstance(s.get("target"), dict) else None
-        out["prompts"] = out["prompts"] or next(v["n_prompts"] for v in s.values() if isinstance(v, dict)
-                                                and "n_prompts" in v)
-        out["svip_eagle2"] = {k: (s.get(f"eagle3/{k}") or {}).get("speedup") for k in ("eagle2", "eagle2_svip")}
-        out["svip_eagle2"]["svip_eagle2"] = out["svip_eagle2"].pop("eagle2_svip")
+        out["prompts"] = next((v["n_prompts"] for v in s.values() if isinstance(v, dict) and "n_prompts" in v), None)
+        speed = {k: (s.get(f"eagle3/{k}") or {}).get("speedup") for k in ("eagle2", "eagle2_svip")}
+        out["svip_eagle2"] = {"eagle2": speed["eagle2"], "svip_eagle2": speed["eagle2_svip"]}
         run = json.loads((mbpp / "run.json").read_text()) if (mbpp / "run.json").is_file() else {}
         out["machine"], out["dtype"], out["date"] = run.get("machine"), run.get("dtype"), run.get("date")
     s = _summary(specbench)
