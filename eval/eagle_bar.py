@@ -23,7 +23,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from utils.cli import UserError, hydra_entry
-from utils.files import read_jsonl, write_text_atomic
+from utils.files import write_text_atomic
 
 HEAD_KEYS = ("auroc_head", "auroc_max_q", "replay_learned_vs_ev", "replay_ci", "wall_learned_vs_ev")
 
@@ -67,14 +67,11 @@ def mbpp_part(summary: dict) -> dict:
 
 
 def task_speedups(folder: Path, method: str) -> dict[str, float]:
-    """{task: method's tokens/s over target-only's} from a decode folder's per-prompt rows."""
-    sums: dict[str, dict[str, list[float]]] = {}
-    for r in read_jsonl(folder / "prompts.jsonl"):
-        if r["method"] in (method, "target") and r.get("task"):
-            acc = sums.setdefault(r["task"], {}).setdefault(r["method"], [0.0, 0.0])
-            acc[0], acc[1] = acc[0] + r["new_tokens"], acc[1] + r["wall_s"]
-    return {t: (v[method][0] / v[method][1]) / (v["target"][0] / v["target"][1])
-            for t, v in sorted(sums.items()) if method in v and "target" in v}
+    """{task: method's speedup over target-only}, from the decode run's own per-task table (by_task.json)."""
+    path = folder / "by_task.json"
+    if not path.is_file():
+        raise UserError(f"{folder} has no by_task.json; decode a prompt set with tasks (dataset=specbench) there")
+    return {t: rows[method]["speedup"] for t, rows in json.loads(path.read_text()).items() if method in rows}
 
 
 def specbench_part(folder: Path, summary: dict) -> dict:
