@@ -71,6 +71,20 @@ def command(script: str) -> str:
     return stage_command(f"bench.{script}")
 
 
+def ablation_variants(cfg, script: str) -> dict:
+    """{variant: its overrides} of an ablation bench's `variants` (conf/bench/<script>.yaml `variant_overrides`);
+    one error line naming the unknown ones."""
+    from omegaconf import OmegaConf
+
+    from utils.cli import UserError
+
+    known = OmegaConf.to_container(cfg.variant_overrides, resolve=True)
+    unknown = [v for v in cfg.variants if v not in known]
+    if unknown:
+        raise UserError(f"variants {unknown} are not defined; known: {sorted(known)} (conf/bench/{script}.yaml)")
+    return {str(v): known[v] for v in cfg.variants}
+
+
 def compose_stage(config_name: str, overrides: list[str]):
     """A stage's composed config (conf/<config_name>.yaml with `overrides`), from inside a bench's Hydra run (which
     already initialised Hydra on conf/) or outside one."""

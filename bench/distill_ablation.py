@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 
 import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from bench import command, repo_path, write_result
+from bench import ablation_variants, command, repo_path, write_result
 from utils.cli import UserError, hydra_entry
 
 METRICS = (("heldout_sum_min", "held-out Σmin(p,q)"), ("heldout_greedy_agree", "held-out greedy agreement"),
@@ -84,15 +84,10 @@ def table(rows: dict) -> str:
 def run(cfg: DictConfig) -> dict:
     if not Path(str(cfg.responses)).is_dir():
         raise UserError(f"responses={cfg.responses} is not a folder; make it with `python -m train.distill_data`")
-    variants = OmegaConf.to_container(cfg.variant_overrides, resolve=True)
-    unknown = [v for v in cfg.variants if v not in variants]
-    if unknown:
-        raise UserError(f"variants {unknown} are not defined; known: {sorted(variants)} "
-                        "(conf/bench/distill_ablation.yaml)")
     rows = {}
-    for name in cfg.variants:
-        m = run_variant(cfg, str(name), variants[name])
-        rows[str(name)] = {"overrides": variants[name], "after": m["after"], "before": m["before"],
+    for name, overrides in ablation_variants(cfg, "distill_ablation").items():
+        m = run_variant(cfg, name, overrides)
+        rows[name] = {"overrides": overrides, "after": m["after"], "before": m["before"],
                            "best_step": m["best_step"], "steps": m["steps"],
                            "train_minutes": round(m["train_minutes"], 1), "train_positions": m["train_positions"]}
     winner = max(rows, key=lambda n: rows[n]["after"]["heldout_sum_min"])

@@ -18,9 +18,9 @@ import subprocess
 import sys
 import time
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from bench import command, repo_path, write_result
+from bench import ablation_variants, command, repo_path, write_result
 from utils.cli import UserError, hydra_entry
 
 
@@ -60,15 +60,10 @@ def table(rows: dict, steps: int) -> list[str]:
 
 
 def run(cfg: DictConfig) -> dict:
-    variants = OmegaConf.to_container(cfg.variant_overrides, resolve=True)
-    unknown = [v for v in cfg.variants if v not in variants]
-    if unknown:
-        raise UserError(f"variants {unknown} are not defined; known: {sorted(variants)} "
-                        "(conf/bench/eagle_ablation.yaml)")
     rows = {}
-    for name in cfg.variants:
-        info = run_variant(cfg, str(name), variants[name])
-        rows[str(name)] = {"overrides": variants[name], "agreement": info["heldout_top1_agreement_by_step"],
+    for name, overrides in ablation_variants(cfg, "eagle_ablation").items():
+        info = run_variant(cfg, name, overrides)
+        rows[name] = {"overrides": overrides, "agreement": info["heldout_top1_agreement_by_step"],
                            "steps": info["steps"], "ttt_steps": info["ttt_steps"], "layers": info["layers"],
                            "train_minutes": info["train_minutes"], "positions": info["data"]["positions"]}
     result = {"command": command("eagle_ablation"), "steps": int(cfg.steps), "variants": rows,

@@ -7,10 +7,8 @@ import json
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from decode.loop import autoregressive, speculative
 from models.lm import LM
@@ -144,27 +142,21 @@ def test_sampling_matches_target_joint_law_of_two_tokens(tiny_pair):
     draft differs from the target by TVD ≈ 0.5, so a loop that leaked q (e.g. accepted without the p/q test or
     resampled from p instead of the residual) would shift ≥ 0.1 of mass, λ ≈ N·Σδ²/p ≫ 50 → power ≈ 1.
     """
+    from tests.conftest import law_chisquare, two_token_law
+
     ids = ids_of(tiny_pair, PROMPTS[1])
     T = 1.0
-    with torch.no_grad():
-        base = torch.tensor([ids])
-        p1 = draft_probs(tiny_pair.target(base).logits[0, -1, : tiny_pair.vocab_size], T)
-        V = p1.shape[0]
-        batch = torch.cat([base.repeat(V, 1), torch.arange(V).view(V, 1)], 1)
-        p2 = draft_probs(tiny_pair.target(batch).logits[:, -1, : tiny_pair.vocab_size], T)
-    joint = (p1.view(V, 1) * p2).double()
+    joint = two_token_law(tiny_pair, ids, T)
+    V = joint.shape[0]
     n = 1000
     counts = torch.zeros(V, V, dtype=torch.float64)
     pol = build_policy("constant", {"k": 3})
     for s in range(n):
         res = speculative(tiny_pair, ids, pol, 2, temperature=T, generator=torch.Generator().manual_seed(s))
         counts[res.tokens[0], res.tokens[1]] += 1
-    expected = joint * n
-    big = expected >= 15
-    obs = np.append(counts[big].numpy(), counts[~big].sum().item())
-    exp = np.append(expected[big].numpy(), expected[~big].sum().item())
-    assert big.sum() >= 5
-    assert chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 1e-3
+    bins, pvalue = law_chisquare(counts, joint, n)
+    assert bins >= 5
+    assert pvalue > 1e-3
 
 
 def test_sprinter_keeps_verifier_accepted_tokens_without_target(tiny_pair):
