@@ -251,3 +251,38 @@ def test_a_new_loss_trains_through_the_distill_command(cli, tmp_path):
     assert info["recipe"]["train"]["loss"] == "half_kl" and out.is_file()
     bad = cli("train.distill", *common, "train.loss=nope", search, f"hydra.run.dir={tmp_path / 'run2'}")
     assert bad.returncode == 2 and "unknown train.loss=nope; known: fkl, half_kl, jsd, tv" in bad.stderr
+
+
+def test_sigterm_saves_where_the_run_stands(tmp_path):
+    """A SIGTERM (a kill from the shell or a scheduler) ends a long run with a checkpoint at the step it reached:
+    Lightning raises SystemExit past the caller's own save, so the stop rules save on the way out."""
+    import os
+    import signal
+
+    from lightning import Callback, LightningModule, Trainer
+
+    from train.distill import stop_rules
+
+    class Tiny(LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch, i):
+            return self.lin(batch).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    class KillAt(Callback):
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    last = tmp_path / "last.ckpt"
+    trainer = Trainer(max_steps=50, callbacks=[KillAt(), *stop_rules(None, last)], logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    loader = torch.utils.data.DataLoader(torch.randn(40, 2), batch_size=2)
+    with pytest.raises(SystemExit):
+        trainer.fit(Tiny(), loader)
+    assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == 3

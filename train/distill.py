@@ -87,13 +87,13 @@ def _fit(cfg: DictConfig, pair: Pair, student, train: list[dict], run_dir: Path,
     snaps = Snapshots(run_dir, int(tcfg.val_every), evaluate, save)
     ckpt = ModelCheckpoint(dirpath=run_dir / "checkpoints", save_last=True, save_top_k=0,
                            train_time_interval=timedelta(minutes=float(tcfg.ckpt_minutes)))
+    last = run_dir / "checkpoints" / "last.ckpt"
     trainer = Trainer(
         accelerator="cuda" if pair.device.type == "cuda" else "cpu", devices=1, precision=train_precision(tcfg, pair),
         max_steps=int(tcfg.max_steps), gradient_clip_val=float(tcfg.grad_clip),
-        callbacks=[snaps, ckpt, *time_budget(tcfg.get("max_minutes"))], logger=CSVLogger(str(run_dir), name="csv"),
+        callbacks=[snaps, ckpt, *stop_rules(tcfg.get("max_minutes"), last)], logger=CSVLogger(str(run_dir), name="csv"),
         log_every_n_steps=10, num_sanity_val_steps=0, use_distributed_sampler=False, enable_model_summary=False,
         default_root_dir=str(run_dir))
-    last = run_dir / "checkpoints" / "last.ckpt"
     resume = last if last.is_file() and cfg.get("resume", True) else None
     if resume is not None:
         print(f"resuming from {resume}", flush=True)
@@ -103,25 +103,33 @@ def _fit(cfg: DictConfig, pair: Pair, student, train: list[dict], run_dir: Path,
     return trainer, snaps, len(loader)
 
 
-def time_budget(minutes) -> list:
-    """A callback list that stops training (cleanly, with a checkpoint) once this invocation has run `minutes`
-    (none for null). Not Lightning's `max_time`: its Timer restores the time of the runs before from the checkpoint,
-    so a resumed run whose earlier parts used up the budget stopped at once instead of going on for `minutes`."""
-    if not minutes:
-        return []
+def stop_rules(minutes, last) -> list:
+    """Callbacks for how a long run ends and keeps its place at `last` (a checkpoint path):
+    - after `minutes` of this invocation (none for null), stop cleanly (the caller then saves). Not Lightning's
+      `max_time`: its Timer restores the time of the runs before from the checkpoint, so a resumed run whose earlier
+      parts used up the budget stopped at once instead of going on for `minutes`;
+    - on SIGTERM (a kill from the shell or a scheduler), save after the batch in flight. Lightning ends a run on
+      SIGTERM by raising SystemExit past the caller's own save, so without this only the last periodic checkpoint
+      survived (up to `ckpt_minutes` of training lost)."""
     import time
 
     from lightning import Callback
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    class StopAfter(Callback):
+    class Stop(Callback):
         def on_train_start(self, trainer, module):
-            self.end = time.monotonic() + 60.0 * float(minutes)
+            self.end = time.monotonic() + 60.0 * float(minutes) if minutes else float("inf")
 
         def on_train_batch_end(self, trainer, *args):
             if time.monotonic() >= self.end:
                 trainer.should_stop = True
 
-    return [StopAfter()]
+        def on_exception(self, trainer, module, exception):
+            if isinstance(exception, SIGTERMException):
+                trainer.save_checkpoint(str(last))
+                print(f"SIGTERM: saved step {trainer.global_step} to {last}; rerun the command to resume", flush=True)
+
+    return [Stop()]
 
 
 def train_precision(tcfg: DictConfig, pair: Pair) -> str:

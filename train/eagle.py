@@ -129,17 +129,17 @@ def _fit(cfg: DictConfig, pair, draft, train: list[dict], run_dir: Path):
                                          collate_fn=lambda b: collate(b, pair.tokenizer.pad_token_id))
     ckpt = ModelCheckpoint(dirpath=run_dir / "checkpoints", save_last=True, save_top_k=0,
                            train_time_interval=timedelta(minutes=float(t.ckpt_minutes)))
-    from train.distill import time_budget, train_precision
+    from train.distill import stop_rules, train_precision
 
+    last = run_dir / "checkpoints" / "last.ckpt"
     trainer = Trainer(accelerator="cuda" if pair.device.type == "cuda" else "cpu", devices=1,
                       precision=train_precision(t, pair), max_steps=int(t.max_steps),
                       gradient_clip_val=float(t.grad_clip), logger=make_loggers(cfg, run_dir),
-                      callbacks=[ckpt, TQDMProgressBar(refresh_rate=10), *time_budget(t.get("max_minutes"))],
+                      callbacks=[ckpt, TQDMProgressBar(refresh_rate=10), *stop_rules(t.get("max_minutes"), last)],
                       log_every_n_steps=10,
                       num_sanity_val_steps=0, use_distributed_sampler=False, enable_model_summary=False,
                       reload_dataloaders_every_n_epochs=1, default_root_dir=str(run_dir))
     sampler.step_of = lambda: trainer.global_step  # restored from the checkpoint before the first epoch's iterator
-    last = run_dir / "checkpoints" / "last.ckpt"
     resume = last if last.is_file() and cfg.get("resume", True) else None
     if resume is not None:
         print(f"resuming from {resume}", flush=True)
