@@ -28,17 +28,30 @@ import torch
 from decode.drafter import Chain, Drafter, Sampling, TreeProposal, Verdict
 from decode.lm_drafters import Student, StudentTree
 from models.eagle3 import Eagle3, draft_profile, load_for_pair
+from models.lm import LM
 from models.features.signals import DraftStep
 
 
-class Eagle3Drafter(Drafter):
+class _Loaded:
+    """What both EAGLE-3 drafters share: the draft loaded for the pair, the target layers it reads, and the cost
+    profile its rounds are priced on (its own step's curves)."""
+
+    def _load(self, pair, weights: str, quantize: str | None) -> None:
+        self.model, self.weights = load_for_pair(pair, weights, quantize)
+        self.layers = tuple(self.model.cfg.layers)
+        self.target = LM.of(pair, "target")
+
+    def profile_of(self, profile):
+        return draft_profile(self.model, self.weights, profile, self.target)
+
+
+class Eagle3Drafter(_Loaded, Drafter):
     name = "eagle3"
     heads_from = "eagle3"  # heads trained on trace=eagle_chain traces (data_gen.eagle_traces)
 
     def __init__(self, pair, policy, weights: str, quantize: str | None = "pair"):
         super().__init__(policy)
-        self.model, self.weights = load_for_pair(pair, weights, quantize)
-        self.layers = tuple(self.model.cfg.layers)
+        self._load(pair, weights, quantize)
         self.vocab = int(pair.vocab_size)
         self.support = self.model.ids
 
@@ -51,9 +64,6 @@ class Eagle3Drafter(Drafter):
         if Student.delegate(policy_cls) is not None:
             return "a chain drafter runs chain stop policies"
         return None
-
-    def profile_of(self, profile):
-        return draft_profile(self.model, self.weights, profile)
 
     def describe(self) -> dict:
         return {"name": self.name, "layers": list(self.layers), "policy": self.policy.describe()}
@@ -115,25 +125,33 @@ class Eagle3Drafter(Drafter):
         self.position += len(v.kept) + 1
 
 
-class _TreeDraft:
+class TreeDraft:
     """EAGLE-3 as the draft LM models.tree.grow calls: `(logits, None)` of tokens after the cache, full-width (−inf
-    off the head's subset). The pending call reads the true features set in `feats`; a call on tree nodes feeds each
-    node its parent's output — the last position before its own that its mask row attends (its deepest ancestor, or
-    the last true-feature position for the root's children)."""
+    off the head's subset). The pending call reads true features: `feats` holds the fused ones of draft positions
+    `feats_at`, `feats_at` + 1, ... (decode: the committed tokens' own; data_gen's tree traces: a whole sequence's,
+    from 0). A call on tree nodes feeds each node its parent's output — the last position before its own that its
+    mask row attends (its deepest ancestor, or the last true-feature position for the root's children)."""
 
     def __init__(self, model: Eagle3, vocab: int):
         self.model, self.vocab = model, vocab
         self.device, self.support = model.ids.device, model.ids
         self.feats: torch.Tensor | None = None
+        self.feats_at = 0
         self.outs = torch.empty(0, model.cfg.hidden, device=self.device, dtype=next(model.parameters()).dtype)
 
     def new_cache(self):
         return self.model.new_cache()
 
+    def keep(self, cache, idx) -> None:
+        """Keep cache positions `idx`: a prefix only (a node is never kept: its feature was the draft's guess)."""
+        if list(idx) != list(range(len(idx))):
+            raise ValueError("the EAGLE-3 tree draft keeps a prefix of its cache only")
+        cache.crop(len(idx))
+
     def __call__(self, tokens: list[int], cache, last: int, positions=None, mask=None):
         m, n, start = self.model, len(tokens), cache.length
         if mask is None:
-            h = self.feats
+            h = self.feats[start - self.feats_at : start - self.feats_at + n]
         else:
             cols = torch.arange(mask.shape[-1], device=mask.device)
             before = mask & (cols[None] < (start + torch.arange(n, device=mask.device))[:, None])
@@ -148,30 +166,20 @@ class _TreeDraft:
         return z.new_full((last, self.vocab), float("-inf")).index_copy_(1, m.ids, z), None
 
 
-class Eagle3Tree(StudentTree):
+class Eagle3Tree(_Loaded, StudentTree):
     """Token trees from the EAGLE-3 draft under a tree builder: the student's tree drafter (`StudentTree`) with the
     chain drafter's cache handling — the first round proposes nothing, each later one grows a tree after the
-    committed tokens fed with their true features, and the cache then drops every node."""
+    committed tokens fed with their true features, and the cache then drops every node. A node head it runs was
+    trained on EAGLE-3's candidate trees (trace=eagle_tree)."""
 
     name = "eagle3_tree"
     params_of = "eagle3"
+    heads_from = "eagle3"
 
     def __init__(self, pair, policy, weights: str, quantize: str | None = "pair"):
         Drafter.__init__(self, policy)
-        self.model, self.weights = load_for_pair(pair, weights, quantize)
-        self.layers = tuple(self.model.cfg.layers)
-        self.draft = _TreeDraft(self.model, int(pair.vocab_size))
-
-    @classmethod
-    def runs(cls, policy_cls) -> str | None:
-        if not getattr(policy_cls, "tree", False):
-            return "a tree drafter runs tree builders"
-        if policy_cls.learned:
-            return "a node head trained on the student's trees does not read EAGLE-3's"
-        return None
-
-    def profile_of(self, profile):
-        return draft_profile(self.model, self.weights, profile)
+        self._load(pair, weights, quantize)
+        self.draft = TreeDraft(self.model, int(pair.vocab_size))
 
     def start(self, prompt_ids, s: Sampling, lookahead=None) -> None:
         super().start(prompt_ids, s, lookahead)
@@ -184,7 +192,7 @@ class Eagle3Tree(StudentTree):
             self.base = self.cache.length
             return Chain([], source=self)
         self.pending, feats = self.feed
-        self.draft.feats = self.model.fuse(feats)
+        self.draft.feats, self.draft.feats_at = self.model.fuse(feats), self.cache.length
         prop = super().propose(budget, res)
         self.base = prop.prefix_len
         # the target's prefix is one longer: the draft's position i holds token i + 1 (its first has no feature)

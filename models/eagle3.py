@@ -323,24 +323,49 @@ def load_for_pair(pair, weights: str, quantize: str | None) -> tuple[Eagle3, str
     return model.prepare(pair.linear, int8=q == "int8", float_rows=int8_float_rows(pair.cfg.draft)), str(path)
 
 
-def draft_profile(model: Eagle3, weights: str, profile):
+def draft_profile(model: Eagle3, weights: str, profile, target=None):
     """The pair's profile with the draft's curves measured on this draft (its step on n new tokens after
-    `profile.context` cached positions, a tree level of n nodes likewise, medians of 15 timed calls; the first step
-    of a round is priced as a warm one, and a prefill as one call on the prompt): what its rounds cost, for the cost
-    model, the expected-value rule and the tree builders. Measured once per weights and profile."""
+    `profile.context` cached positions, a tree level of n nodes likewise, a prefill as one call on the prompt,
+    medians of 15 timed calls): what its rounds cost, for the cost model, the expected-value rule and the tree
+    builders. A round's first call (`draft_cold_ms`) is timed as it runs, given the `target` LM: right after a
+    target pass, the committed tokens' features fused and two of them run (a round's first call feeds accepted + 1
+    tokens; EAGLE-3 accepts about one a round on MBPP): priced as a warm one-token step, a cold call on more rows
+    was the draft cost the model missed. Measured once per weights, profile and target."""
     import dataclasses
 
     if profile is None:
         return None
-    key = (weights, json.dumps(profile.key, sort_keys=True, default=str))
+    key = (weights, json.dumps(profile.key, sort_keys=True, default=str), target is not None)
     if key not in _PROFILES:
         ms = [_step_ms(model, n, profile.context) for n in range(1, len(profile.draft_ms) + 1)]
         level = None if not profile.draft_level_ms else [
             _step_ms(model, n, profile.context, tree=True) for n in range(1, len(profile.draft_level_ms) + 1)]
         pre = [_step_ms(model, L, 0) for L in profile.prefill_lengths]
+        cold = ms[0] if target is None else _first_call_ms(model, target, profile.context)
         _PROFILES[key] = dataclasses.replace(profile, key={**profile.key, "drafter": "eagle3"}, draft_ms=ms,
-                                             draft_cold_ms=ms[0], prefill_draft_ms=pre, draft_level_ms=level)
+                                             draft_cold_ms=cold, prefill_draft_ms=pre, draft_level_ms=level)
     return _PROFILES[key]
+
+
+@torch.inference_mode()
+def _first_call_ms(m: Eagle3, target, context: int, rows: int = 2, repeats: int = 15) -> float:
+    """A round's first draft call as decode.eagle3 runs it, after a target pass over 3 tokens (`draft_profile`)."""
+    dev, dtype = m.ids.device, next(m.parameters()).dtype
+    ids = [(100 + i) % target.vocab for i in range(context + 3)]
+    tcache, dcache = target.new_cache(), m.new_cache()
+    target(ids[:context], tcache, last=0)
+    m.step(torch.tensor(ids[:context], device=dev), torch.zeros(context, m.cfg.hidden, device=dev, dtype=dtype),
+           dcache)
+    toks, feats = torch.tensor(ids[:rows], device=dev), torch.zeros(rows, 3, m.cfg.hidden, device=dev, dtype=dtype)
+    times = []
+    for _ in range(repeats + 3):
+        target(ids[context : context + 3], tcache, last=3)
+        tcache.crop(-3)
+        dcache.crop(context)
+        t0 = time.perf_counter()
+        m.logits(m.step(toks, m.fuse(feats), dcache)[-1:])
+        times.append((time.perf_counter() - t0) * 1000)
+    return float(sorted(times[3:])[repeats // 2])
 
 
 @torch.inference_mode()
