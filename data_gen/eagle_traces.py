@@ -1,5 +1,6 @@
-"""EAGLE-3 chain traces (`trace=eagle_chain`, issue 53): for every start position of the target's greedy
-continuation, the chain the EAGLE-3 draft drafts from there, one row per drafting step.
+"""EAGLE-3 traces (issue 53). `trace=eagle_chain`: for every start position of the target's greedy continuation,
+the chain the EAGLE-3 draft drafts from there, one row per drafting step. `trace=eagle_tree`: the candidate tree it
+grows at every position, one row per node, as trace=tree's (`eagle_tree_batch`).
 
 A student's q at a position does not depend on where its round began (its state is the text), so a target_ar trace
 holds one row per position. EAGLE-3's does: step j of a round reads the draft's own outputs of steps 0..j−1 as
@@ -100,3 +101,21 @@ def eagle_batch(pair, items: list[Item], t) -> list[dict]:
         cols["prompt_tokens"] = list(it.prefix)
         results.append(cols)
     return results
+
+
+def eagle_tree_batch(pair, items: list[Item], t) -> list[dict]:
+    """`eagle_tree` rows: trace=tree's walk (data_gen.traces.tree_batch) with EAGLE-3 as the draft — decode's tree
+    adapter (decode.eagle3) holding the item's fused target features, so the committed tokens are fed with their true
+    features and each node with its parent's output, as Eagle3Tree grows trees."""
+    from data_gen.traces import tree_batch
+    from decode.eagle3 import TreeDraft
+
+    draft = load_eagle(pair, t)
+    adapter = TreeDraft(draft, int(pair.vocab_size))
+
+    def walker(it: Item, y: list[int]):
+        seq = it.prefix + y
+        adapter.feats = draft.fuse(_features(pair, seq, draft.cfg.layers).to(draft.ids.device))
+        return adapter, 1
+
+    return tree_batch(pair, items, t, walker)

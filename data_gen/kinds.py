@@ -24,6 +24,7 @@ class TraceKind:
     # rows follow the target's own continuation, one per drafted position, so a decoder's rounds replay on them
     # (eval.replay; greedy ones: the train job's speed rule)
     replays_rounds = False
+    first_round_empty = False  # its drafter proposes nothing before the target's prefill (a replay's first round)
 
     def __init__(self, kind: str | None = None, **settings):
         self.name = str(kind)
@@ -140,12 +141,11 @@ class Tree(TraceKind):
         return tree_batch(pair, items, t)
 
 
-class EagleChain(TraceKind):
-    """EAGLE-3's chains (issue 53): along the target's greedy continuation, the chain a round starting at each
-    position drafts, one row per step (data_gen.eagle_traces)."""
+class _Eagle:
+    """What both EAGLE-3 kinds share: the draft's weights (`trace.weights`, their content in the config hash), the
+    drafter the manifest names, and EAGLE-3's own step as the rows' cost profile (as decode prices its rounds)."""
 
-    hidden_default = True
-    replays_rounds = True
+    first_round_empty = True  # the draft reads the target's features: none exist before its prefill
 
     @staticmethod
     def weights(t):
@@ -153,17 +153,12 @@ class EagleChain(TraceKind):
 
         return weights_path(t)
 
-    def check(self, t):
+    def check_weights(self, t):
         if float(t.get("temperature", 0.0)) != 0.0:
-            raise UserError("trace=eagle_chain records greedy rounds only; set trace.temperature=0")
-        if int(t.get("steps", 8)) < 1:
-            raise UserError(f"trace.steps must be >= 1, got {t.get('steps')}")
+            raise UserError(f"trace={self.name} records greedy rounds only; set trace.temperature=0")
         if not self.weights(t).is_file():
             raise UserError(f"trace.weights={t.get('weights')} is not a file; train an EAGLE-3 draft with "
                             "python -m train.eagle")
-
-    def folder_suffix(self, t):
-        return f"-K{int(t.get('steps', 8))}"
 
     def files(self, t):
         from models.pair import file_fingerprint
@@ -171,25 +166,59 @@ class EagleChain(TraceKind):
         path = self.weights(t)
         return {"weights": file_fingerprint(path)} if path.is_file() else {}
 
-    def manifest_extra(self, t):
-        return {"eagle": {"weights": str(t.get("weights")), "steps": int(t.get("steps", 8))}}
-
     def drafter(self, t):
         return "eagle3"
 
-    def hidden_size(self, pair, t):  # the layer's output and the fused target feature, side by side
-        return 2 * int(pair.target.config.hidden_size)
-
-    def cost_profile(self, pair, profile, t):  # EAGLE-3's own step, as decode prices it (models.eagle3)
+    def cost_profile(self, pair, profile, t):
         from models.eagle3 import draft_profile, load_for_pair
+        from models.lm import LM
 
         model, path = load_for_pair(pair, t.weights, "pair")
-        return draft_profile(model, path, profile)
+        return draft_profile(model, path, profile, LM.of(pair, "target"))
+
+
+class EagleChain(_Eagle, TraceKind):
+    """EAGLE-3's chains (issue 53): along the target's greedy continuation, the chain a round starting at each
+    position drafts, one row per step (data_gen.eagle_traces)."""
+
+    hidden_default = True
+    replays_rounds = True
+
+    def check(self, t):
+        self.check_weights(t)
+        if int(t.get("steps", 8)) < 1:
+            raise UserError(f"trace.steps must be >= 1, got {t.get('steps')}")
+
+    def folder_suffix(self, t):
+        return f"-K{int(t.get('steps', 8))}"
+
+    def manifest_extra(self, t):
+        return {"eagle": {"weights": str(t.get("weights")), "steps": int(t.get("steps", 8))}}
+
+    def hidden_size(self, pair, t):  # the layer's output and the fused target feature, side by side
+        return 2 * int(pair.target.config.hidden_size)
 
     def rows(self, pair, items, t):
         from data_gen.eagle_traces import eagle_batch
 
         return eagle_batch(pair, items, t)
+
+
+class EagleTree(_Eagle, Tree):
+    """EAGLE-3's candidate trees (issue 53): trace=tree's rows, grown by the EAGLE-3 draft as decode's eagle3_tree
+    grows them (data_gen.eagle_traces.eagle_tree_batch); its node heads run on eagle3 only."""
+
+    def check(self, t):
+        self.check_weights(t)
+        Tree.check(self, t)
+
+    def manifest_extra(self, t):
+        return {**Tree.manifest_extra(self, t), "eagle": {"weights": str(t.get("weights"))}}
+
+    def rows(self, pair, items, t):
+        from data_gen.eagle_traces import eagle_tree_batch
+
+        return eagle_tree_batch(pair, items, t)
 
 
 def manifest_kind(manifest: dict) -> TraceKind | None:

@@ -253,9 +253,10 @@ def chain_batch(pair, items: list[Item], trace_cfg, joint: bool) -> list[dict[st
 
 
 def tree_rows(draft, prefix: list[int], y: list[int], expander, stride: int, k: int,
-              root_stats: tuple[np.ndarray, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+              root_stats: tuple[np.ndarray, np.ndarray] | None = None, skip: int = 0) -> dict[str, np.ndarray]:
     """One prompt's tree rows: the draft walks along y with one cache; at positions t = 0, stride, 2·stride, ... its
-    pending tokens are y up to t, it grows a candidate tree there and the tree's cache entries are dropped. A node's
+    pending tokens are y up to t (at t = 0 the prompt, less its first `skip` tokens: EAGLE-3's position i holds token
+    i + 1), it grows a candidate tree there and the tree's cache entries are dropped. A node's
     columns (structure, q_token, joint, the DISCO features of the distribution it was drawn from, and the groups
     `verify` and `copy`) are models.tree.node_columns', the function decode's node heads read too: the tree at t
     carries its root context prompt + y[:t] (a ContextIndex kept along y) and, as `verify`, (H_p, top-2 margin) of
@@ -273,7 +274,7 @@ def tree_rows(draft, prefix: list[int], y: list[int], expander, stride: int, k: 
     dcache, last = draft.new_cache(), 0
     index = ContextIndex(prefix)  # prompt + y[:last]
     for t in range(0, len(y), stride):
-        pending = list(prefix) if t == 0 else y[last:t]  # the cache holds prefix + y[:last]
+        pending = list(prefix[skip:]) if t == 0 else y[last:t]  # the cache holds prefix + y[:last]
         for tok in y[last:t]:
             index.push(int(tok))
         verify = (0.0, 0.0) if t == 0 else (float(root_stats[0][t - 1]), float(root_stats[1][t - 1]))
@@ -296,14 +297,17 @@ def tree_rows(draft, prefix: list[int], y: list[int], expander, stride: int, k: 
 
 
 @torch.no_grad()
-def tree_batch(pair, items: list[Item], trace_cfg) -> list[dict[str, np.ndarray]]:
+def tree_batch(pair, items: list[Item], trace_cfg, walker=None) -> list[dict[str, np.ndarray]]:
     """`tree` rows for a batch of items: the target's greedy continuations in one batched rollout (as `target_ar`),
-    then per prompt the draft's walk (`tree_rows`, batch 1: each position's tree has its own shape)."""
+    then per prompt the draft's walk (`tree_rows`, batch 1: each position's tree has its own shape). `walker(item,
+    y)` gives the draft that walks an item and the prompt tokens it skips (None: the pair's draft LM, none)."""
     from models.lm import LM
     from models.tree import TopkExpander
 
     roll = rollout(pair, items, trace_cfg, step_draft=False)
-    draft = LM.of(pair, "draft")
+    if walker is None:
+        draft = LM.of(pair, "draft")
+        walker = lambda it, y: (draft, 0)  # noqa: E731
     expander = TopkExpander(int(trace_cfg.get("tree_topk", 4)), int(trace_cfg.get("tree_depth", 5)))
     stride, k = int(trace_cfg.get("stride", 1)), int(trace_cfg.get("topk", 10))
     results = []
@@ -312,7 +316,8 @@ def tree_batch(pair, items: list[Item], trace_cfg) -> list[dict[str, np.ndarray]
         # `position_stats` and decode's verification statistics read it: the tree at t + 1's verify group
         p = draft_probs(roll.target_logits[i, : len(y)], 0.0)
         stats = (entropy(p).float().cpu().numpy(), top2_margin(p).float().cpu().numpy())
-        cols = tree_rows(draft, it.prefix, list(y), expander, stride, k, stats)
+        draft, skip = walker(it, list(y))
+        cols = tree_rows(draft, it.prefix, list(y), expander, stride, k, stats, skip)
         cols["prompt_id"], cols["split"], cols["kind"], cols["n"] = it.prompt_id, it.split, "tree", len(cols["node"])
         results.append(cols)
     return results

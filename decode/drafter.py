@@ -257,7 +257,7 @@ def build_drafter(name: str, pair, policy=None, params: dict | None = None, cfg=
     trained_on = getattr(bundle, "drafter", drafter.heads_from)
     if bundle is not None and trained_on != drafter.heads_from:
         raise UserError(f"head {bundle.path} was trained on {trained_on}'s traces; drafter {name} drafts with "
-                        f"{drafter.heads_from}'s (train a head on its traces: trace=eagle_chain for eagle3)")
+                        f"{drafter.heads_from}'s (train a head on its traces: trace=eagle_chain or eagle_tree for eagle3)")
     return drafter
 
 
@@ -274,8 +274,16 @@ def for_policy(name: str, pair, policy, params: dict | None = None, cfg=None) ->
     return build_drafter(runner, pair, policy, params if own else None, cfg)
 
 
-def runner_of(name: str, policy_cls, cfg=None) -> tuple[str | None, str | None]:
-    """(the drafter that runs `policy_cls` for drafter `name`, None) or (None, why it cannot)."""
+def runner_of(name: str, policy_cls, cfg=None, head: str | None = None) -> tuple[str | None, str | None]:
+    """(the drafter that runs `policy_cls` for drafter `name`, None) or (None, why it cannot) — also when `head` (a
+    learned policy's checkpoint) was trained on another drafter's traces."""
     runner = check_drafter(name, cfg).delegate(policy_cls) or name
-    why = check_drafter(runner, cfg).runs(policy_cls)
+    runner_cls = check_drafter(runner, cfg)
+    why = runner_cls.runs(policy_cls)
+    if not why and head and policy_cls.learned:
+        from models.heads import load_head
+
+        trained_on = load_head(head).drafter
+        if trained_on != runner_cls.heads_from:
+            why = f"its head was trained on {trained_on}'s traces, {runner} drafts with {runner_cls.heads_from}'s"
     return (None, why) if why else (runner, None)

@@ -119,7 +119,7 @@ def with_drafters(methods: list[Method], cfg: DictConfig) -> list[Method]:
         over = (cfg.get("drafter") or {}).get(name)
         params = OmegaConf.to_container(over, resolve=True) if over is not None else None
         for m in methods:
-            runner, why = runner_of(name, m.policy_class, cfg)
+            runner, why = runner_of(name, m.policy_class, cfg, split_spec(m.spec)[1])
             if runner is None:
                 print(f"drafters: {name}/{m.key} left out: {why}")
                 continue

@@ -58,6 +58,7 @@ class Candidates:
     trees: list[Tree]
     on_path: list[np.ndarray]
     rows: list[np.ndarray]
+    first_empty: bool = False  # the drafter proposes nothing before the target's prefill (EAGLE-3: decode.eagle3)
 
 
 def check_trace(manifest: dict, folder) -> dict:
@@ -131,15 +132,19 @@ class CandidateTrees(Drafter):
 
     def propose(self, budget: int, res) -> TreeProposal:
         tree = self.cand.trees[self.t]
+        if self.cand.first_empty and res.target_calls == 0:  # the first round: the target's prefill alone
+            self.levels, self.nodes, self.calls = [], 0, 0
+            return TreeProposal(tree, 0, [])
         picked = self.policy.pick(tree)
         self.levels, self.nodes = self.policy.replay_cost(tree, picked)
+        self.calls = 1 + len(self.levels)
         return TreeProposal(tree, 0, picked)
 
     def commit(self, v: Verdict, res) -> None:
         b, emit = self.policy, min(len(v.kept) + 1, self.cand.n - self.t)
-        for key, x in zip(self.record, (emit, len(v.kept), self.nodes, 1 + len(self.levels))):  # levels: draft calls
+        for key, x in zip(self.record, (emit, len(v.kept), self.nodes, self.calls)):  # levels: draft calls
             self.record[key].append(x)
-        self.cost += self.profile.round_steps(1 + len(self.levels), self.nodes, None if b.chain_loop else self.levels)
+        self.cost += self.profile.round_steps(self.calls, self.nodes, None if b.chain_loop else self.levels)
         self.t += emit
 
 
@@ -153,6 +158,7 @@ class OnPath:
         tree, t = proposal.tree, self.t
         acc = accepted(tree, self.cand.on_path[t], proposal.nodes)
         self.t = t + acc + 1
+        res.target_calls += 1
         return Verdict([], [0] * acc, 0, len(proposal.nodes), None, None, None, proposal=proposal)
 
 
@@ -212,6 +218,10 @@ def head_scores(builder, ds, manifest: dict, folder) -> np.ndarray | None:
     if bundle.pair_id != manifest.get("pair_id"):
         raise UserError(f"{builder.name}'s head ({bundle.path}) was trained on pair {bundle.pair_id} but {folder} "
                         f"holds traces of {manifest.get('pair_id')}; replay it on its own pair's traces")
+    drafter = manifest.get("drafter", "student")
+    if bundle.drafter != drafter:
+        raise UserError(f"{builder.name}'s head ({bundle.path}) was trained on {bundle.drafter}'s trees but {folder} "
+                        f"holds {drafter}'s; replay it on its own drafter's traces")
     kind = builder.kind
     x = kind.from_columns(trace_columns(ds, list(kind.columns(bundle.spec))), bundle.spec)
     return bundle.prob(x).reshape(-1).double().cpu().numpy()
@@ -322,6 +332,8 @@ def open_traces(cfg: DictConfig) -> TreeTraces:
     ds, manifest = load_traces(folder)
     tree = check_trace(manifest, folder)
     cands = candidates_from_columns(trace_columns(ds, COLUMNS), int(cfg.prompts) if cfg.get("prompts") else None)
+    for c in cands:
+        c.first_empty = manifest_kind(manifest).first_round_empty
     return TreeTraces(folder, ds, manifest, tree, CostProfile.from_dict(manifest["cost_profile"]), cands)
 
 

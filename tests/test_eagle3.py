@@ -379,6 +379,12 @@ def test_a_head_trained_on_eagle_traces_decodes_as_it_replays(tmp_path, tiny_pai
     params = {"threshold": 0.02, "rule": "threshold", "max_len": 6}  # the traces hold 6 steps per round
     with pytest.raises(UserError, match="trained on eagle3's traces"):
         build_drafter("student", tiny_pair, build_policy(spec, params, pair=tiny_pair))
+    from omegaconf import OmegaConf
+
+    from decode.methods import Method, with_drafters
+
+    side_by_side = with_drafters([Method("learned", spec, params)], OmegaConf.create({"drafters": ["student", "eagle3"]}))
+    assert [m.key for m in side_by_side] == ["eagle3/learned"]  # the student's pairing left out, not a failed run
     folder = next((tmp_path / "traces").glob("*--test-*"))
     conts, _, _ = load_continuations(folder)
     from data_gen.store import load_traces
@@ -394,3 +400,66 @@ def test_a_head_trained_on_eagle_traces_decodes_as_it_replays(tmp_path, tiny_pai
         assert dec.rounds == replay_one(build_policy(spec, params, pair=tiny_pair), cont)
         rounds += sum(1 for k, _ in dec.rounds if k > 1)
     assert rounds > 0  # the head let some rounds run past one token
+
+
+@pytest.mark.parametrize("name", ["eagle2", "learned_tree"])
+def test_eagle_tree_traces_replay_what_decode_runs(tiny_pair, trained, name):
+    """trace=eagle_tree (data_gen.eagle_traces.eagle_tree_batch): the candidate trees EAGLE-3 grows at every position
+    of the target's continuation, fed as decode's eagle3_tree feeds it (committed tokens with the target's features,
+    nodes with their parents' outputs). Replayed (eval.tree_replay), a builder's rounds are decode's — tokens per
+    round and verified nodes, the first round drafting nothing in both — and a node head marked as trained on
+    EAGLE-3's trees runs there (decode computing its inputs from its own tree, the replay reading the rows')."""
+    import numpy as np
+    from omegaconf import OmegaConf
+
+    from data_gen.eagle_traces import eagle_tree_batch
+    from data_gen.traces import Item
+    from decode.drafter import build_drafter
+    from decode.learned_trees import LearnedTree
+    from decode.loop import speculative
+    from decode.tree_builders import Eagle2
+    from eval.tree_replay import candidates_from_columns, replay
+    from models.features.spec import feature_kind
+    from tests.test_decode import make_head
+    from tests.test_decode_tree import _profile
+
+    prof = _profile(slope=0.0, c=0.05)
+    texts = ("import os\nclass A:", "def f(x):", "x = [1, 2, 3]\nprint(x)")  # 16 tokens before the tiny target's EOS
+    items = [Item(f"p{i}", "test", "tree", tiny_pair.tokenizer.encode(t)) for i, t in enumerate(texts)]
+    cfg = OmegaConf.create({"kind": "eagle_tree", "weights": str(trained), "max_new_tokens": 16, "tree_topk": 3,
+                            "tree_depth": 3})
+    rows = eagle_tree_batch(tiny_pair, items, cfg)
+    cols = {k: np.concatenate([np.asarray(r[k]) if np.ndim(r[k]) else np.repeat(r[k], r["n"]) for r in rows])
+            for k in rows[0] if k != "n"}
+    cands = candidates_from_columns(cols)
+    for c in cands:
+        c.first_empty = True
+    scores, make = None, lambda: Eagle2(topk=3, max_depth=3, max_nodes=12, profile=prof)
+    if name == "learned_tree":
+        bundle = make_head(tiny_pair, "tree_node", seed=1)
+        bundle.drafter = "eagle3"
+        bundle.calibration = {"temperature": 0.3, "bias": 1.0, "mode": "platt"}  # spread the random head's scores
+        scores = bundle.prob(feature_kind("tree_node").from_columns(cols, bundle.spec)).reshape(-1).double().numpy()
+        make = lambda: LearnedTree(bundle=bundle, topk=3, max_depth=3, max_nodes=12, profile=prof)  # noqa: E731
+    accepted = 0
+    for it, cand, rep in zip(items, cands, replay(make(), cands, prof, scores, name)):
+        builder = make()
+        drafter = build_drafter("eagle3_tree", tiny_pair, builder, {"weights": str(trained)})
+        dec = speculative(tiny_pair, it.prefix, drafter, 16, eos={tiny_pair.tokenizer.eos_token_id})
+        assert len(dec.tokens) == cand.n and dec.rounds[0] == (0, 0) and rep["levels"][0] == 0
+        emitted, t = [], 0
+        for k, n in dec.rounds:
+            emitted.append(min(n + 1, cand.n - t))
+            t += emitted[-1]
+        # past the rounds grown to full depth decode grows no deeper than the tokens left (the recorded trees are
+        # full-depth), so a selection there may differ
+        full = [i for i, e in enumerate(np.cumsum([0] + emitted[:-1])) if cand.n - e - 1 >= builder.max_depth]
+        assert len(full) > 2
+        assert rep["tokens"][: len(full)] == emitted[: len(full)] and sum(rep["tokens"]) == cand.n
+        assert [rep["nodes"][i] for i in full] == [dec.rounds[i][0] for i in full]
+        accepted += sum(rep["accepted"])
+    assert accepted > 0
+    bundle = make_head(tiny_pair, "tree_node", seed=1)  # a head of the student's trees: refused on EAGLE-3's
+    with pytest.raises(Exception, match="trained on student's traces"):
+        build_drafter("eagle3_tree", tiny_pair, LearnedTree(bundle=bundle, topk=3, max_depth=3, max_nodes=12,
+                                                            profile=prof), {"weights": str(trained)})
