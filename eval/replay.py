@@ -101,14 +101,25 @@ class SyntheticHead(StopPolicy):
         self.scores = synthetic
 
     def should_stop(self, step):
-        return self.scores[step.position] < self.threshold
+        s = self.scores
+        if s.ndim == 2:  # an eagle_chain continuation's scores by (round start, step)
+            j = step.position_in_round
+            return s[step.position - j, j] < self.threshold
+        return s[step.position] < self.threshold
 
 
 def synthetic_scores(conts: list[Continuation], auroc: float, seed: int) -> list[np.ndarray]:
-    """Binormal scores N(μ·accepted, 1) with μ = √2·Φ⁻¹(AUROC): that AUROC in expectation, nothing else learned."""
+    """Binormal scores N(μ·accepted, 1) with μ = √2·Φ⁻¹(AUROC): that AUROC in expectation, nothing else learned. One
+    per row: by position for target_ar rows, by (round start, step) for eagle_chain's (`Continuation.rows`; read by
+    position, a round's steps read the rows of other rounds — the synthetic rows on EAGLE-3 traces before
+    2026-11-29 10:10 did)."""
     mu = math.sqrt(2.0) * norm.ppf(auroc)
     rng = np.random.default_rng(seed)
-    return [mu * c.accepted + rng.standard_normal(len(c.accepted)) for c in conts]
+    out = []
+    for c in conts:
+        s = mu * c.accepted + rng.standard_normal(len(c.accepted))
+        out.append(s if c.rows is None else np.where(c.rows >= 0, s[c.rows], np.inf))
+    return out
 
 
 def cost_rows(rounds_per_cont: list[list[tuple[int, int]]], prompt_lens: list) -> tuple[list, list]:

@@ -232,3 +232,39 @@ def test_drafters_replay_as_they_decode(traces, cli, tmp_path):
         assert decoded[key]["lossless"] is True
         assert replayed[key]["mean_accepted_length"] == pytest.approx(decoded[key]["mean_accepted_length"]), key
         assert replayed[key]["acceptance_rate"] == pytest.approx(decoded[key]["acceptance_rate"]), key
+
+
+def test_synthetic_heads_read_eagle_chain_rows_by_round():
+    """On an eagle_chain continuation (one row per round start and step, each its own agreement) a synthetic head of
+    AUROC → 1 stops every round at its first rejected step: its scores are read by (start, step), not by position."""
+    import torch
+    from scipy.stats import norm
+
+    from eval.continuations import _chains
+    from eval.replay import SyntheticHead, synthetic_scores
+    from eval.replay_rounds import replay_one
+
+    rng = np.random.default_rng(0)
+    n, K = 14, 4
+    start, step = np.repeat(np.arange(n), K), np.tile(np.arange(K), n)
+    start, step = start[start + step < n], step[start + step < n]
+    path = rng.integers(0, 5, n)
+    ok = rng.random(len(start)) < 0.8
+    cols = {"start": start, "step": step, "target_token": path[start + step],
+            "draft_token": np.where(ok, path[start + step], 9), "prompt_id": np.array(["p"] * len(start))}
+    cont = _chains(cols, torch.zeros(len(start), 3), torch.zeros(len(start)), None, 0, len(start))
+    auroc = 1 - 1e-12
+    (scores,) = synthetic_scores([cont], auroc, seed=0)
+    head = SyntheticHead(threshold=np.sqrt(2.0) * norm.ppf(auroc) / 2, max_len=K)
+    want, t = [(0, 0)], 1  # EAGLE-3's first round drafts nothing
+    while t < n:
+        k = 0
+        for j in range(min(K, n - t - 1)):
+            k += 1
+            if not ok[cont.rows[t, j]]:
+                break
+        acc = k if all(ok[cont.rows[t, j]] for j in range(k)) else k - 1
+        want.append((k, acc))
+        t += acc + 1
+    assert replay_one(head, cont, synthetic=scores) == want
+    assert any(a == k - 1 for k, a in want) and any(a == k > 0 for k, a in want)
