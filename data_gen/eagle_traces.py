@@ -105,10 +105,10 @@ def eagle_batch(pair, items: list[Item], t) -> list[dict]:
 
 def eagle_tree_batch(pair, items: list[Item], t) -> list[dict]:
     """`eagle_tree` rows: trace=tree's walk (data_gen.traces.tree_batch) with EAGLE-3 as the draft — decode's tree
-    adapter (decode.eagle3) holding the item's fused target features, so the committed tokens are fed with their true
+    adapter (models.eagle3_pair.TreeDraft) holding the item's fused target features, so the committed tokens are fed with their true
     features and each node with its parent's output, as Eagle3Tree grows trees."""
     from data_gen.traces import tree_batch
-    from decode.eagle3 import TreeDraft
+    from models.eagle3_pair import TreeDraft
 
     draft = load_eagle(pair, t)
     adapter = TreeDraft(draft, int(pair.vocab_size))

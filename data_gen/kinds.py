@@ -170,7 +170,7 @@ class _Eagle:
         return "eagle3"
 
     def cost_profile(self, pair, profile, t):
-        from models.eagle3 import draft_profile, load_for_pair
+        from models.eagle3_pair import draft_profile, load_for_pair
         from models.lm import LM
 
         model, path = load_for_pair(pair, t.weights, "pair")

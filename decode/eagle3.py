@@ -27,7 +27,7 @@ import torch
 
 from decode.drafter import Chain, Drafter, Sampling, TreeProposal, Verdict
 from decode.lm_drafters import Student, StudentTree
-from models.eagle3 import Eagle3, draft_profile, load_for_pair
+from models.eagle3_pair import TreeDraft, draft_profile, load_for_pair
 from models.lm import LM
 from models.features.signals import DraftStep
 
@@ -123,47 +123,6 @@ class Eagle3Drafter(_Loaded, Drafter):
         if getattr(v.proposal, "source", None) is self:
             self.policy.observe(v.drafted, len(v.kept))
         self.position += len(v.kept) + 1
-
-
-class TreeDraft:
-    """EAGLE-3 as the draft LM models.tree.grow calls: `(logits, None)` of tokens after the cache, full-width (−inf
-    off the head's subset). The pending call reads true features: `feats` holds the fused ones of draft positions
-    `feats_at`, `feats_at` + 1, ... (decode: the committed tokens' own; data_gen's tree traces: a whole sequence's,
-    from 0). A call on tree nodes feeds each node its parent's output — the last position before its own that its
-    mask row attends (its deepest ancestor, or the last true-feature position for the root's children)."""
-
-    def __init__(self, model: Eagle3, vocab: int):
-        self.model, self.vocab = model, vocab
-        self.device, self.support = model.ids.device, model.ids
-        self.feats: torch.Tensor | None = None
-        self.feats_at = 0
-        self.outs = torch.empty(0, model.cfg.hidden, device=self.device, dtype=next(model.parameters()).dtype)
-
-    def new_cache(self):
-        return self.model.new_cache()
-
-    def keep(self, cache, idx) -> None:
-        """Keep cache positions `idx`: a prefix only (a node is never kept: its feature was the draft's guess)."""
-        if list(idx) != list(range(len(idx))):
-            raise ValueError("the EAGLE-3 tree draft keeps a prefix of its cache only")
-        cache.crop(len(idx))
-
-    def __call__(self, tokens: list[int], cache, last: int, positions=None, mask=None):
-        m, n, start = self.model, len(tokens), cache.length
-        if mask is None:
-            h = self.feats[start - self.feats_at : start - self.feats_at + n]
-        else:
-            cols = torch.arange(mask.shape[-1], device=mask.device)
-            before = mask & (cols[None] < (start + torch.arange(n, device=mask.device))[:, None])
-            h = self.outs[torch.where(before, cols[None], -1).max(-1).values]
-        out = m.step(torch.tensor(tokens, device=self.device), h, cache, positions, mask)
-        if self.outs.shape[0] < start + n:
-            grown = self.outs.new_empty(max(2 * self.outs.shape[0], start + n, 512), self.outs.shape[1])
-            grown[:start] = self.outs[:start]
-            self.outs = grown
-        self.outs[start : start + n] = out
-        z = m.logits(out[-last:]).float()
-        return z.new_full((last, self.vocab), float("-inf")).index_copy_(1, m.ids, z), None
 
 
 class Eagle3Tree(_Loaded, StudentTree):

@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -299,97 +298,6 @@ class Eagle3(nn.Module):
         model = cls(cfg, tensors.pop("ids"))
         model.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False)
         return model.attach(target)
-
-
-# -- on a pair: loading for decoding, and its cost profile ------------------------------------------------------------
-_PROFILES: dict = {}  # (weights, pair profile key) → an EAGLE-3 draft's profile (draft_profile)
-
-
-def load_for_pair(pair, weights: str, quantize: str | None) -> tuple[Eagle3, str]:
-    """The saved draft on the pair's target, in its dtype and device, prepared for drafting (models.eagle3
-    `prepare`: the pair's linear products; int8 where `quantize` says, `pair` following pair.draft.quantize)."""
-    from pathlib import Path
-
-    from models.student import REPO_ROOT
-
-    q = pair.cfg.draft.get("quantize") if quantize == "pair" else quantize
-    if q not in (None, "int8"):
-        raise UserError(f"drafter eagle3's quantize must be pair, int8 or null, got '{quantize}'")
-    path = Path(str(weights))
-    path = path if path.is_absolute() else REPO_ROOT / path
-    model = Eagle3.load(path, pair.target).to(device=pair.device, dtype=pair.dtype).eval()
-    from models.lm_head import int8_float_rows
-
-    return model.prepare(pair.linear, int8=q == "int8", float_rows=int8_float_rows(pair.cfg.draft)), str(path)
-
-
-def draft_profile(model: Eagle3, weights: str, profile, target=None):
-    """The pair's profile with the draft's curves measured on this draft (its step on n new tokens after
-    `profile.context` cached positions, a tree level of n nodes likewise, a prefill as one call on the prompt,
-    medians of 15 timed calls): what its rounds cost, for the cost model, the expected-value rule and the tree
-    builders. A round's first call (`draft_cold_ms`) is timed as it runs, given the `target` LM: right after a
-    target pass, the committed tokens' features fused and two of them run (a round's first call feeds accepted + 1
-    tokens; EAGLE-3 accepts about one a round on MBPP). It costs 2.8× a warm one-token step (0.88 vs 0.31 ms, 2-core
-    EPYC, bf16, 2026-11-29), which is what it was priced as before. Measured once per weights, profile and target."""
-    import dataclasses
-
-    if profile is None:
-        return None
-    key = (weights, json.dumps(profile.key, sort_keys=True, default=str), target is not None)
-    if key not in _PROFILES:
-        ms = [_step_ms(model, n, profile.context) for n in range(1, len(profile.draft_ms) + 1)]
-        level = None if not profile.draft_level_ms else [
-            _step_ms(model, n, profile.context, tree=True) for n in range(1, len(profile.draft_level_ms) + 1)]
-        pre = [_step_ms(model, L, 0) for L in profile.prefill_lengths]
-        cold = ms[0] if target is None else _first_call_ms(model, target, profile.context)
-        _PROFILES[key] = dataclasses.replace(profile, key={**profile.key, "drafter": "eagle3"}, draft_ms=ms,
-                                             draft_cold_ms=cold, prefill_draft_ms=pre, draft_level_ms=level)
-    return _PROFILES[key]
-
-
-@torch.inference_mode()
-def _first_call_ms(m: Eagle3, target, context: int, rows: int = 2, repeats: int = 15) -> float:
-    """A round's first draft call as decode.eagle3 runs it, after a target pass over 3 tokens (`draft_profile`)."""
-    dev, dtype = m.ids.device, next(m.parameters()).dtype
-    ids = [(100 + i) % target.vocab for i in range(context + 3)]
-    tcache, dcache = target.new_cache(), m.new_cache()
-    target(ids[:context], tcache, last=0)
-    m.step(torch.tensor(ids[:context], device=dev), torch.zeros(context, m.cfg.hidden, device=dev, dtype=dtype),
-           dcache)
-    toks, feats = torch.tensor(ids[:rows], device=dev), torch.zeros(rows, 3, m.cfg.hidden, device=dev, dtype=dtype)
-    times = []
-    for _ in range(repeats + 3):
-        target(ids[context : context + 3], tcache, last=3)
-        tcache.crop(-3)
-        dcache.crop(context)
-        t0 = time.perf_counter()
-        m.logits(m.step(toks, m.fuse(feats), dcache)[-1:])
-        times.append((time.perf_counter() - t0) * 1000)
-    return float(sorted(times[3:])[repeats // 2])
-
-
-@torch.inference_mode()
-def _step_ms(m: Eagle3, n: int, context: int, tree: bool = False, repeats: int = 15) -> float:
-    dev = m.ids.device
-    h = torch.zeros(context + n, m.cfg.hidden, device=dev, dtype=next(m.parameters()).dtype)
-    toks = torch.zeros(context + n, dtype=torch.long, device=dev)
-    cache = m.new_cache()
-    if context:
-        m.step(toks[:context], h[:context], cache)
-    tree_args = {}
-    if tree:  # n nodes that each see the context and themselves: a level's call (its mask, its positions)
-        mask = torch.zeros(n, context + n, dtype=torch.bool, device=dev)
-        mask[:, :context] = True
-        mask[:, context:] = torch.eye(n, dtype=torch.bool, device=dev)
-        tree_args = {"positions": torch.full((n,), context, device=dev), "mask": mask}
-    times = []
-    for _ in range(repeats + 3):
-        cache.crop(context)
-        t0 = time.perf_counter()
-        m.logits(m.step(toks[context:], h[context:], cache, **tree_args))
-        times.append((time.perf_counter() - t0) * 1000)
-    return float(sorted(times[3:])[repeats // 2])
-
 
 
 class Eagle3Cache:

@@ -65,10 +65,12 @@ def test_every_experiment_composes(name):
     feat = head_family(cfg.model.kind).features
     if feat == "hidden":  # hidden-state heads need traces that store the draft hidden state
         assert cfg.trace.store_hidden, name
-    assert cfg.trace.kind in ("target_ar", "interleaved", "tree", "eagle_chain")
+    assert cfg.trace.kind in ("target_ar", "interleaved", "tree", "eagle_chain", "eagle_tree")
     # token-tree node heads train on tree traces with the tree label, chain heads on chain traces (issue 30)
+    from data_gen.kinds import trace_kind
+
     tree = feature_kind(feat).tree
-    assert (cfg.trace.kind == "tree") == tree and is_node(cfg.labels) == tree, name
+    assert trace_kind(cfg.trace).tree == tree and is_node(cfg.labels) == tree, name
     assert cfg.trace_root and cfg.monitor == "val/auroc"
     limits = [cfg.split_limits[s] for s in ("train", "validation", "test")]
     assert all(v is None or v > 0 for v in limits)
