@@ -263,15 +263,15 @@ def tree_curve(tree_ms: list[float], target_fit: list[float]) -> list[float]:
 # ------------------------------------------------------------------------------------------------- cost model
 
 
-def _tree_ms(row: dict, prof: CostProfile, prompt: int) -> float:
-    """`modeled_ms` of a token-tree row: per round the root's draft call (the first round's is the draft's
+def _tree_ms(row: dict, prof: CostProfile, prompt: int) -> tuple[float, float]:
+    """`modeled_parts` of a token-tree row: per round the root's draft call (the first round's is the draft's
     prefill, later ones cold), its level calls and one tree pass over pending + verified nodes (the first round's
     inside the target's prefill)."""
     ks = [k for k, _ in row["rounds"]]
     target = prof.prefill_target(prompt + ks[0]) + sum(prof.tree_target(k + 1) for k in ks[1:])
     draft = prof.prefill_draft(prompt) + (len(ks) - 1) * prof.cold_ms
     draft += sum(prof.level_draft(w) for levels in row["tree_levels"] for w in levels)
-    return float(target + draft)
+    return float(target), float(draft)
 
 
 def modeled_ms(row: dict, prof: CostProfile) -> float:
@@ -283,10 +283,16 @@ def modeled_ms(row: dict, prof: CostProfile) -> float:
     transformers' loop (no per-round record) is costed at its mean round length. A token-tree row (its per-round
     `tree_levels`) is costed as `round_steps` costs a tree round: tree-attention passes, level calls by their size.
     """
+    return sum(modeled_parts(row, prof))
+
+
+def modeled_parts(row: dict, prof: CostProfile) -> tuple[float, float]:
+    """`modeled_ms` split into (the target's calls, the draft's calls), in ms: what eval.wall_gap sets against the
+    time a decode row measured in each."""
     prompt = int(row.get("prompt_tokens") or prof.context)
     tcalls, dcalls = int(row["target_calls"]), int(row["draft_calls"])
     if not dcalls and not row.get("rounds"):  # target-only (a prompt-lookup row drafts without model calls)
-        return float(prof.prefill_target(prompt) + max(tcalls - 1, 0) * prof.target(1))
+        return float(prof.prefill_target(prompt) + max(tcalls - 1, 0) * prof.target(1)), 0.0
     rounds = row.get("rounds") or []
     if row.get("tree_levels") and rounds:
         return _tree_ms(row, prof, prompt)
@@ -299,5 +305,5 @@ def modeled_ms(row: dict, prof: CostProfile) -> float:
     # the first draft call of each later round runs cold (after a target pass); the rest warm
     cold = sum(1 for k, _ in rounds[1:] if k > 0) if rounds else max(tcalls - 1, 0)
     cold = min(cold, max(dcalls - 1, 0))
-    t_cold = prof.cold_ms
-    return float(target + prof.prefill_draft(prompt) + cold * t_cold + (max(dcalls - 1, 0) - cold) * prof.draft(1))
+    draft = prof.prefill_draft(prompt) + cold * prof.cold_ms + (max(dcalls - 1, 0) - cold) * prof.draft(1)
+    return float(target), float(draft)

@@ -267,6 +267,14 @@ def test_train_eagle_learns_resumes_and_decodes_losslessly(cli, tiny_responses, 
     assert all(summary[k]["lossless"] is True for k in ("eagle3/constant", "eagle3/svip"))
     assert summary["eagle3/constant"]["acceptance_rate"] > 0
     assert summary["eagle3/constant"]["measured_c"] != summary["student/constant"]["measured_c"]
+    r = cli("eval.wall_gap", str(dec))  # the run's wall clock against its cost model, by part
+    assert r.returncode == 0, r.stderr[-2000:]
+    gap = json.loads((dec / "wall_gap.json").read_text())["methods"]
+    assert set(gap) == set(summary)
+    assert all(v["target_s"] > 0 and v["target_model_s"] > 0 and 0 <= v["draft_share"] < 1 for v in gap.values())
+    assert gap["target"]["draft_share"] == 0 and gap["eagle3/constant"]["draft_share"] > 0
+    r = cli("eval.wall_gap", str(tmp_path))
+    assert r.returncode == 2 and "no run.json" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_resumed_batches_go_on_where_the_steps_left_off():

@@ -40,6 +40,7 @@ WRITERS = [
     ("eval.tree_bar", ("eval/tree_bar.py", "conf/tree_bar.yaml"), ("bar.json", "bar.md")),
     ("eval.bar", ("eval/bar.py", "conf/bar.yaml"), ("bar.json",)),
     ("eval.drafters_bar", ("eval/drafters_bar.py",), ("drafters.json", "drafters.md")),
+    ("eval.wall_gap", ("eval/wall_gap.py",), ("wall_gap.json", "wall_gap.md")),
 ]
 
 
