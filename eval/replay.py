@@ -226,7 +226,8 @@ def replay_synthetic(aurocs, conts_tune, conts_eval, profile: CostProfile, seed:
         best = max(tuned, key=tuned.get)
         res = run(best, conts_eval, s_eval)
         y = np.concatenate([cont.accepted for cont in conts_eval])
-        res.update(auroc=float(a), realised_auroc=float(roc_auc_score(y, np.concatenate(s_eval))), threshold=float(best))
+        rows = [sc if sc.ndim == 1 else sc[cont.rows >= 0] for cont, sc in zip(conts_eval, s_eval)]  # row order
+        res.update(auroc=float(a), realised_auroc=float(roc_auc_score(y, np.concatenate(rows))), threshold=float(best))
         out[f"synthetic[auroc={a:g}]"] = res
     return out
 

@@ -72,8 +72,6 @@ def stale_reasons(rec: dict, overrides: set[str] = frozenset()) -> list[str]:
     if "device" not in rec:  # a partial record (pair and dtype only): nothing more to compare
         return out
     draft = rec.get("draft") or {}
-    if isinstance(draft, str):  # a profile re-measured for another drafter named it here (eagle_chain traces of
-        return out              # 2026-11-29; now `drafter`): the pair's draft settings are not recorded
     for key in ("vocab_subset", "quantize"):
         want = (conf.get("draft") or {}).get(key)
         if draft.get(key) != want and f"pair.draft.{key}" not in overrides:
