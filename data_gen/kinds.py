@@ -117,7 +117,7 @@ class Tree(TraceKind):
 
     def check(self, t):
         if float(t.get("temperature", 0.0)) != 0.0:
-            raise UserError("trace=tree records greedy labels (on_path) only; set trace.temperature=0")
+            raise UserError(f"trace={self.name} records greedy labels (on_path) only; set trace.temperature=0")
         if bool(t.get("store_hidden", False)):
             raise UserError("trace=tree stores no hidden states yet; set trace.store_hidden=false")
         for name in ("tree_topk", "tree_depth", "stride"):
@@ -154,8 +154,6 @@ class _Eagle:
         return weights_path(t)
 
     def check_weights(self, t):
-        if float(t.get("temperature", 0.0)) != 0.0:
-            raise UserError(f"trace={self.name} records greedy rounds only; set trace.temperature=0")
         if not self.weights(t).is_file():
             raise UserError(f"trace.weights={t.get('weights')} is not a file; train an EAGLE-3 draft with "
                             "python -m train.eagle")
@@ -185,6 +183,8 @@ class EagleChain(_Eagle, TraceKind):
     replays_rounds = True
 
     def check(self, t):
+        if float(t.get("temperature", 0.0)) != 0.0:
+            raise UserError("trace=eagle_chain records greedy rounds only; set trace.temperature=0")
         self.check_weights(t)
         if int(t.get("steps", 8)) < 1:
             raise UserError(f"trace.steps must be >= 1, got {t.get('steps')}")
@@ -209,8 +209,8 @@ class EagleTree(_Eagle, Tree):
     grows them (data_gen.eagle_traces.eagle_tree_batch); its node heads run on eagle3 only."""
 
     def check(self, t):
+        Tree.check(self, t)  # greedy only, and the trees' bounds
         self.check_weights(t)
-        Tree.check(self, t)
 
     def manifest_extra(self, t):
         return {**Tree.manifest_extra(self, t), "eagle": {"weights": str(t.get("weights"))}}

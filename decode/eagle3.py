@@ -44,6 +44,14 @@ class _Loaded:
     def profile_of(self, profile):
         return draft_profile(self.model, self.weights, profile, self.target)
 
+    def _refeed(self, v: Verdict) -> None:
+        """After a verification: drop the drafted positions (run on the draft's own features) and queue the committed
+        tokens with the target's features at the positions before them, for the next round's first call."""
+        self.cache.crop(self.base)
+        self.seq += v.kept + [v.next]
+        n = v.hidden.shape[1]  # features at the pending token(s) and the kept path: one per token to feed
+        self.feed = (self.seq[-n:], v.hidden.permute(1, 0, 2))
+
 
 class Eagle3Drafter(_Loaded, Drafter):
     name = "eagle3"
@@ -116,10 +124,7 @@ class Eagle3Drafter(_Loaded, Drafter):
         return rnd
 
     def commit(self, v: Verdict, res) -> None:
-        self.cache.crop(self.base)
-        self.seq += v.kept + [v.next]
-        n = v.hidden.shape[1]  # features at the pending token(s) and the kept path: one per token to feed
-        self.feed = (self.seq[-n:], v.hidden.permute(1, 0, 2))
+        self._refeed(v)
         if getattr(v.proposal, "source", None) is self:
             self.policy.observe(v.drafted, len(v.kept))
         self.position += len(v.kept) + 1
@@ -158,7 +163,4 @@ class Eagle3Tree(_Loaded, StudentTree):
         return TreeProposal(prop.tree, len(self.seq), prop.nodes)
 
     def _commit_cache(self, v: Verdict) -> None:
-        self.cache.crop(self.base)
-        self.seq += v.kept + [v.next]
-        n = v.hidden.shape[1]  # features at the pending token(s) and the kept path: one per token to feed
-        self.feed = (self.seq[-n:], v.hidden.permute(1, 0, 2))
+        self._refeed(v)

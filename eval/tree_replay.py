@@ -332,8 +332,9 @@ def open_traces(cfg: DictConfig) -> TreeTraces:
     ds, manifest = load_traces(folder)
     tree = check_trace(manifest, folder)
     cands = candidates_from_columns(trace_columns(ds, COLUMNS), int(cfg.prompts) if cfg.get("prompts") else None)
+    first_empty = manifest_kind(manifest).first_round_empty
     for c in cands:
-        c.first_empty = manifest_kind(manifest).first_round_empty
+        c.first_empty = first_empty
     return TreeTraces(folder, ds, manifest, tree, CostProfile.from_dict(manifest["cost_profile"]), cands)
 
 

@@ -55,8 +55,10 @@ def markdown(res: dict) -> str:
              f"profile {res['profile_date']}; `python -m eval.wall_gap`)", "",
              "| method | speedup | cost model | wall ÷ model − 1 | target time ÷ modeled − 1 | draft share | policy share |",
              "|---|---|---|---|---|---|---|"]
+    def pct(x):
+        return "–" if x is None else f"{100 * x:+.1f}%"
+
     for m, v in res["methods"].items():
-        pct = (lambda x: "–" if x is None else f"{100 * x:+.1f}%")
         lines.append(f"| {m} | {v['speedup']:.2f} | {v['cost_model_speedup']:.2f} | {pct(v['wall_vs_model'])} | "
                      f"{pct(v['target_vs_model'])} | {100 * v['draft_share']:.1f}% | {100 * v['policy_share']:.1f}% |")
     return "\n".join(lines) + "\n"

@@ -108,13 +108,22 @@ def _first_call_ms(m: Eagle3, target, context: int, rows: int = 2, repeats: int 
     m.step(torch.tensor(ids[:context], device=dev), torch.zeros(context, m.cfg.hidden, device=dev, dtype=dtype),
            dcache)
     toks, feats = torch.tensor(ids[:rows], device=dev), torch.zeros(rows, 3, m.cfg.hidden, device=dev, dtype=dtype)
-    times = []
-    for _ in range(repeats + 3):
+
+    def after_target_pass():
         target(ids[context : context + 3], tcache, last=3)
         tcache.crop(-3)
         dcache.crop(context)
+
+    return _median_ms(lambda: m.logits(m.step(toks, m.fuse(feats), dcache)[-1:]), after_target_pass, repeats)
+
+
+def _median_ms(call, setup, repeats: int) -> float:
+    """Median ms of `call` over `repeats` timed runs after 3 untimed ones, `setup` (untimed) before each."""
+    times = []
+    for _ in range(repeats + 3):
+        setup()
         t0 = time.perf_counter()
-        m.logits(m.step(toks, m.fuse(feats), dcache)[-1:])
+        call()
         times.append((time.perf_counter() - t0) * 1000)
     return float(sorted(times[3:])[repeats // 2])
 
@@ -133,10 +142,5 @@ def _step_ms(m: Eagle3, n: int, context: int, tree: bool = False, repeats: int =
         mask[:, :context] = True
         mask[:, context:] = torch.eye(n, dtype=torch.bool, device=dev)
         tree_args = {"positions": torch.full((n,), context, device=dev), "mask": mask}
-    times = []
-    for _ in range(repeats + 3):
-        cache.crop(context)
-        t0 = time.perf_counter()
-        m.logits(m.step(toks[context:], h[context:], cache, **tree_args))
-        times.append((time.perf_counter() - t0) * 1000)
-    return float(sorted(times[3:])[repeats // 2])
+    return _median_ms(lambda: m.logits(m.step(toks[context:], h[context:], cache, **tree_args)),
+                      lambda: cache.crop(context), repeats)
