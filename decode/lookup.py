@@ -49,11 +49,12 @@ class Lookup(Drafter):
         return None
 
     def profile_of(self, profile):
-        """The pair's profile with every draft cost zero: a lookup is a dict probe, not a model call."""
+        """The pair's profile with every draft cost zero: a lookup is a dict probe, not a model call, so its
+        verification passes follow another target pass (priced as `target_ms`, not `verify_ms`)."""
         if profile is None:
             return None
         zero = [0.0] * len(profile.draft_ms)
-        return dataclasses.replace(profile, draft_ms=zero, draft_cold_ms=0.0,
+        return dataclasses.replace(profile, draft_ms=zero, draft_cold_ms=0.0, verify_ms=None,
                                    prefill_draft_ms=[0.0] * len(profile.prefill_draft_ms),
                                    draft_level_ms=None if profile.draft_level_ms is None else [0.0] * len(
                                        profile.draft_level_ms))

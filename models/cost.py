@@ -11,7 +11,12 @@ expected-value stop rule) reads this curve instead:
 - `draft_ms[n-1]`: one draft call on n new tokens (1, or 2 after a fully accepted round) with logits at the last;
 - `draft_cold_ms`: the first draft call of a round, right after a target pass has pushed the draft's weights out of
   the CPU caches (measured 1.2-1.5× a warm step on a 2-core EPYC: it is most of the draft cost of short rounds);
-- `target_ms[n-1]`: one target call on n new tokens with logits at all n (verification of n-1 drafted tokens);
+- `target_ms[n-1]`: one target call on n new tokens with logits at all n, right after another target call (as
+  target-only decoding runs: its step is the unit every speedup is counted in);
+- `verify_ms[n-1]`: the same call right after a draft call, as a verification of n-1 drafted tokens runs. It costs
+  more: in the loop, passes after draft calls ran 2-9% above the back-to-back curve (AMD EPYC bf16, 2026-11-29,
+  `python -m eval.wall_gap`) while target-only steps matched it within 1.5% — the draft's weights and cache have
+  pushed the target's out of the CPU caches. Version 2 profiles lack it (None): verification priced as `target_ms`;
 - `prefill_ms`: first calls on a fresh cache of L prompt tokens, for a few L (interpolated between them);
 - token trees (decode.tree) call the models differently, so their rounds read two more curves:
   `draft_level_ms[n-1]`, one draft call on a tree level of n nodes with logits at all n (tree-attention mask), and
@@ -51,7 +56,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from utils.cli import UserError
 
-PROFILE_VERSION = 2
+PROFILE_VERSION = 3  # 3: verification passes timed after a draft call (`verify_ms`); 2 is still read (records)
+READABLE_VERSIONS = (2, 3)
 
 
 def machine() -> str:
@@ -87,11 +93,17 @@ class CostProfile:
     extra: dict = field(default_factory=dict)
     draft_level_ms: list[float] | None = None  # None (older profiles): a level call as a one-token step
     target_tree_ms: list[float] | None = None  # None (older profiles): a tree pass as the causal one
+    verify_ms: list[float] | None = None  # None (version 2, prompt lookup): a verification pass as `target_ms`
+    version: int = PROFILE_VERSION
 
     # -- reading the curve ------------------------------------------------------------------------------------
     def target(self, n) -> np.ndarray | float:
         """t_target(n) in ms; linear beyond the measured range (n may be an array)."""
         return _curve(n, self.target_ms)
+
+    def verify(self, n) -> np.ndarray | float:
+        """t of a causal target pass over n tokens right after a draft call, as a chain's verification runs."""
+        return _curve(n, self.verify_ms) if self.verify_ms else self.target(n)
 
     def draft(self, n=1) -> np.ndarray | float:
         return _curve(n, self.draft_ms)
@@ -113,8 +125,8 @@ class CostProfile:
         return float(self.draft_ms[0] / self.target_ms[0])
 
     def verify_ratio(self, n) -> np.ndarray | float:
-        """t_target(n) ÷ t_target(1): what a verification pass over n tokens costs in target steps."""
-        return self.target(n) / self.target_ms[0]
+        """t_verify(n) ÷ t_target(1): what a verification pass over n tokens costs in target steps."""
+        return self.verify(n) / self.target_ms[0]
 
     def level_draft(self, n) -> float:
         """t of a draft call on a tree level of n nodes (`draft_level_ms`; older profiles: a one-token step)."""
@@ -135,7 +147,7 @@ class CostProfile:
             return float(self.target(verified + 1) / self.target_ms[0])
         cold = self.cold_ms
         if levels is None:
-            return float((cold + (draft_calls - 1) * self.draft_ms[0] + self.target(verified + 1)) / self.target_ms[0])
+            return float((cold + (draft_calls - 1) * self.draft_ms[0] + self.verify(verified + 1)) / self.target_ms[0])
         if len(levels) != draft_calls - 1:
             raise ValueError(f"round_steps: {draft_calls} draft calls need {draft_calls - 1} level sizes, got {levels}")
         draft = cold + sum(self.level_draft(w) for w in levels)
@@ -144,14 +156,13 @@ class CostProfile:
     # -- storage ----------------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
         d = asdict(self)
-        d["version"] = PROFILE_VERSION
         d["cost_ratio"] = self.cost_ratio
         d["verify_ratio"] = [round(float(self.verify_ratio(n)), 4) for n in range(1, len(self.target_ms) + 1)]
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "CostProfile":
-        if not isinstance(d, dict) or d.get("version") != PROFILE_VERSION:
+        if not isinstance(d, dict) or d.get("version") not in READABLE_VERSIONS:
             raise UserError("cost profile has another format version; remeasure it (profile.refresh=true)")
         names = {f for f in cls.__dataclass_fields__}
         return cls(**{k: v for k, v in d.items() if k in names})
@@ -165,7 +176,7 @@ class CostProfile:
                  f"draft step {self.draft_ms[0]:.2f} ms (first of a round {self.draft_cold_ms or 0:.2f}), "
                  f"target step {self.target_ms[0]:.2f} ms, "
                  f"c = {self.cost_ratio:.3f}",
-                 "target pass over n tokens ÷ target step: "
+                 "verification pass over n tokens (after a draft call) ÷ target step: "
                  + ", ".join(f"n={n} {float(self.verify_ratio(n)):.2f}" for n in ns),
                  *([] if not self.target_tree_ms else [
                      "token trees: masked target pass over n tokens ÷ target step: " + ", ".join(
@@ -251,13 +262,13 @@ def monotone(ys: list[float]) -> list[float]:
 
 
 def tree_curve(tree_ms: list[float], target_fit: list[float]) -> list[float]:
-    """The tree-pass curve: non-decreasing, and never below the causal pass of the same size (`target_fit`, up to
-    its end): a tree pass runs the same products over as many tokens plus a mask, the cache's compaction and the
+    """The tree-pass curve: non-decreasing, and never below the causal pass of the same size (`target_fit`; past its
+    end, its last point): a tree pass runs the same products over as many tokens plus a mask, the cache's compaction and the
     walk, so a point measured cheaper is the machine's noise. Why: on a loaded 2-core Xeon (2026-11-28 14:13) the
     tree points read 8% below the causal ones while in the loop, tree rounds' passes cost 9% more than the causal
     curve's, and the builders grew trees on the difference."""
-    floored = [max(t, target_fit[i]) if i < len(target_fit) else t for i, t in enumerate(tree_ms)]
-    return monotone(floored)
+    floored = [max(t, target_fit[min(i, len(target_fit) - 1)]) for i, t in enumerate(tree_ms)]
+    return monotone(floored)  # isotonic regression keeps a monotone floor: a cheap tail never drags points under it
 
 
 # ------------------------------------------------------------------------------------------------- cost model
@@ -298,10 +309,10 @@ def modeled_parts(row: dict, prof: CostProfile) -> tuple[float, float]:
         return _tree_ms(row, prof, prompt)
     if rounds:
         ks = np.array([k for k, _ in rounds], dtype=float)
-        target = prof.prefill_target(prompt + ks[0]) + float(np.sum(prof.target(ks[1:] + 1)))
+        target = prof.prefill_target(prompt + ks[0]) + float(np.sum(prof.verify(ks[1:] + 1)))
     else:
         mean_k = row.get("drafted", 0) / max(tcalls, 1)
-        target = prof.prefill_target(prompt + mean_k) + (tcalls - 1) * prof.target(mean_k + 1)
+        target = prof.prefill_target(prompt + mean_k) + (tcalls - 1) * prof.verify(mean_k + 1)
     # the first draft call of each later round runs cold (after a target pass); the rest warm
     cold = sum(1 for k, _ in rounds[1:] if k > 0) if rounds else max(tcalls - 1, 0)
     cold = min(cold, max(dcalls - 1, 0))

@@ -18,6 +18,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from models.cost import (
+    PROFILE_VERSION,
     CostProfile,
     monotone,
     profile_key,
@@ -78,41 +79,45 @@ def _step_probe(lm, cache, ids: list[int], c: int, n: int, last: int):
     return call
 
 
-def _round_robin(probes: dict, warmup: int, repeats: int, clock, progress: bool = False, cold=None) -> tuple[dict, float]:
+def _round_robin(probes: dict, warmup: int, repeats: int, clock, progress: bool = False) -> tuple[dict, float]:
     """Median ms of each probe, timed round-robin so a slow spell of a shared machine hits every point alike (the
-    ratios the cost model uses stay steady), and the other processes' CPU use meanwhile (cores, or None). `cold`: a
-    probe timing itself (the draft's first call of a round, after a target pass), kept under the key "draft_cold"."""
+    ratios the cost model uses stay steady), and the other processes' CPU use meanwhile (cores, or None). A probe is
+    a call, or (setup, call): the setup runs untimed right before the call — the model call that precedes it in
+    the loop (a target pass before a round's first draft call, a draft call before a verification pass)."""
     from tqdm import tqdm
 
-    times: dict = {key: [] for key in [*probes, *(["draft_cold"] if cold else [])]}
+    times: dict = {key: [] for key in probes}
     cpu_before, wall_before = cpu_seconds(), time.perf_counter()
     for r in tqdm(range(warmup + repeats), desc="cost profile", unit="round", disable=not progress):
         for key, fn in probes.items():
+            setup, call = fn if isinstance(fn, tuple) else (None, fn)
+            if setup is not None:
+                setup()
             t = clock()
-            fn()
+            call()
             if r >= warmup:
                 times[key].append(clock() - t)
-        if cold is not None:
-            took = cold()
-            if r >= warmup:
-                times["draft_cold"].append(took)
     load = other_load(cpu_before, cpu_seconds(), time.perf_counter() - wall_before)
     return {key: 1000 * statistics.median(v) for key, v in times.items()}, load
 
 
 def _profile_probes(draft, target, dcache, tcache, ids: list[int], settings: DictConfig) -> dict:
     """Every point of the profile as a probe: the draft's one- and two-token steps and its tree levels (warm, right
-    after its one-token calls), the target's causal passes with a tree pass beside each of the same size, and both
-    prefills at each length."""
+    after its one-token calls) and its first call of a round (right after a target pass over 3 tokens); the target's
+    causal passes twice, back to back (target-only decoding) and right after a draft call (verification), and its
+    tree passes after a draft call; both prefills at each length."""
     c, max_n, tree_n = int(settings.context), int(settings.max_n), tree_passes(settings)
     levels = int(settings.get("max_level", 0) or 0)
-    probes = {("draft", 1): _step_probe(draft, dcache, ids, c, 1, 1), ("draft", 2): _step_probe(draft, dcache, ids, c, 2, 1)}
+    draft_step = _step_probe(draft, dcache, ids, c, 1, 1)
+    probes = {("draft", 1): draft_step, ("draft", 2): _step_probe(draft, dcache, ids, c, 2, 1),
+              "draft_cold": (_step_probe(target, tcache, ids, c, 3, 3), draft_step)}
     probes.update({("draft_level", n): _tree_probe(draft, dcache, ids, c, n, 0) for n in range(1, levels + 1)})
     for n in range(1, max(max_n, tree_n) + 1):
         if n <= max_n:
             probes[("target", n)] = _step_probe(target, tcache, ids, c, n, n)
+            probes[("verify", n)] = (draft_step, probes[("target", n)])
         if n <= tree_n and settings.get("tree", True):
-            probes[("target_tree", n)] = _tree_probe(target, tcache, ids, c, n, 1, compact=True)
+            probes[("target_tree", n)] = (draft_step, _tree_probe(target, tcache, ids, c, n, 1, compact=True))
     for length in (int(x) for x in settings.prefill_lengths):
         probes[("prefill_target", length)] = lambda L=length: target(ids[:L], target.new_cache(), last=1)
         probes[("prefill_draft", length)] = lambda L=length: draft(ids[:L], draft.new_cache(), last=1)
@@ -133,15 +138,8 @@ def measure(pair, settings: DictConfig, progress: bool = True) -> CostProfile:
     dcache, tcache = draft.new_cache(), target.new_cache()
     draft(ids[:c], dcache, last=0)
     target(ids[:c], tcache, last=0)
-
-    def cold_draft():  # the first draft call of a round: right after a target pass over 3 tokens
-        _step_probe(target, tcache, ids, c, 3, 3)()
-        t = clock()
-        _step_probe(draft, dcache, ids, c, 1, 1)()
-        return clock() - t
-
     probes = _profile_probes(draft, target, dcache, tcache, ids, settings)
-    ms, load = _round_robin(probes, int(settings.warmup), int(settings.repeats), clock, progress, cold_draft)
+    ms, load = _round_robin(probes, int(settings.warmup), int(settings.repeats), clock, progress)
     return _profile_of(ms, load, pair, settings)
 
 
@@ -151,20 +149,23 @@ def _profile_of(ms: dict, load, pair, settings: DictConfig) -> CostProfile:
     lengths = [int(x) for x in settings.prefill_lengths]
     levels = int(settings.get("max_level", 0) or 0)
     target_ms = [ms[("target", n)] for n in range(1, int(settings.max_n) + 1)]
+    verify_ms = [ms[("verify", n)] for n in range(1, int(settings.max_n) + 1)]
     level_ms = [ms[("draft_level", n)] for n in range(1, levels + 1)] or None
     tree_ms = [ms[key] for key in sorted(k for k in ms if k[0] == "target_tree")] or None
-    extra = {"raw_ms": {"target_ms": target_ms, "target_tree_ms": tree_ms, "draft_level_ms": level_ms}}
+    extra = {"raw_ms": {"target_ms": target_ms, "verify_ms": verify_ms, "target_tree_ms": tree_ms,
+                        "draft_level_ms": level_ms}}
     if load is not None:
         extra["other_load_cores"] = round(load, 2)
     target_fit = monotone(target_ms)
+    verify_fit = monotone(verify_ms)
     return CostProfile(key=profile_key(pair, settings), draft_ms=[ms[("draft", 1)], ms[("draft", 2)]],
                        target_ms=target_fit, prefill_lengths=lengths,
                        prefill_target_ms=[ms[("prefill_target", L)] for L in lengths],
                        prefill_draft_ms=[ms[("prefill_draft", L)] for L in lengths],
                        context=int(settings.context), repeats=int(settings.repeats), draft_cold_ms=ms["draft_cold"],
                        date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), extra=extra,
-                       draft_level_ms=level_ms and monotone(level_ms),
-                       target_tree_ms=tree_ms and tree_curve(tree_ms, target_fit))
+                       draft_level_ms=level_ms and monotone(level_ms), verify_ms=verify_fit,
+                       target_tree_ms=tree_ms and tree_curve(tree_ms, verify_fit))
 
 
 @torch.inference_mode()
@@ -203,10 +204,11 @@ def get_profile(pair, settings: DictConfig | dict | None = None) -> CostProfile:
     if path.is_file() and not settings.get("refresh"):
         try:
             prof = CostProfile.from_dict(json.loads(path.read_text()))
-            warn_if_loaded(prof)
-            return prof
+            if prof.version == PROFILE_VERSION:
+                warn_if_loaded(prof)
+                return prof
         except (ValueError, UserError, TypeError):
-            pass  # an unreadable or old cache entry is remeasured, never trusted
+            pass  # an unreadable or older cache entry is remeasured, never trusted
     prof = measure(pair, settings)
     write_text_atomic(path, json.dumps(prof.to_dict(), indent=1))
     warn_if_loaded(prof)

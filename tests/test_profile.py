@@ -47,10 +47,11 @@ def test_profile_is_measured_once_then_cached(tiny_pair, tmp_path, monkeypatch):
     assert all(t > 0 for t in prof.target_ms + prof.draft_ms + prof.prefill_draft_ms + prof.draft_level_ms
                + prof.target_tree_ms)
     assert prof.key["dtype"] == "float32" and prof.key["threads"] == 1
-    for curve in ("target_ms", "target_tree_ms", "draft_level_ms"):  # non-decreasing in n, the medians kept beside
+    for curve in ("target_ms", "verify_ms", "target_tree_ms", "draft_level_ms"):  # non-decreasing in n, the medians kept beside
         ys, raw = getattr(prof, curve), prof.extra["raw_ms"][curve]
         assert all(a <= b for a, b in zip(ys, ys[1:])) and len(raw) == len(ys)
-    assert all(t >= c for t, c in zip(prof.target_tree_ms, prof.target_ms))  # `tree_curve`'s floor
+    assert len(prof.verify_ms) == 4 and prof.version == 3  # verification: the causal passes after a draft call
+    assert all(t >= c for t, c in zip(prof.target_tree_ms, prof.verify_ms))  # `tree_curve`'s floor
     assert list((tmp_path / "profiles").glob("tiny_random-*.json"))
     monkeypatch.setattr(dp, "measure", lambda *a, **k: pytest.fail("measured again despite the cache"))
     again = get_profile(tiny_pair, SMALL)
@@ -123,12 +124,44 @@ def test_cost_model_charges_longer_verification():
         1.0 + 4 * 1.8 + 0.1 + 19 * 0.1)
 
 
+def test_verification_is_priced_after_a_draft_call(tiny_pair, tmp_path, monkeypatch):
+    """A round's pass reads `verify_ms` (timed right after a draft call), target-only steps and the speedup's unit
+    `target_ms`; prompt lookup's rounds (no model call before the pass) the latter. A version-2 profile (a committed
+    run's record) still reads, its verification priced as `target_ms`; as a cache entry it is measured anew."""
+    import dataclasses
+
+    import models.profiling as dp
+    from decode.lookup import Lookup
+
+    prof = dataclasses.replace(flat_profile(0.1, target_ms=[1.0, 1.2, 1.4, 1.6, 1.8]),
+                               verify_ms=[1.1, 1.3, 1.5, 1.7, 1.9])
+    assert prof.round_steps(3, 2) == pytest.approx((0.1 + 2 * 0.1 + 1.5) / 1.0)
+    assert prof.round_steps(0, 2) == pytest.approx(1.4)  # no draft call before it
+    spec = {"new_tokens": 9, "target_calls": 3, "draft_calls": 6, "drafted": 6, "rounds": [[2, 2], [2, 2], [2, 1]],
+            "prompt_tokens": 40}
+    assert modeled_ms(spec, prof) == pytest.approx(1.0 + 2 * 1.5 + 0.1 + 5 * 0.1)
+    base = {"new_tokens": 9, "target_calls": 9, "draft_calls": 0, "prompt_tokens": 40}
+    assert modeled_ms(base, prof) == pytest.approx(1.0 + 8 * 1.0)
+    assert Lookup.profile_of(None, prof).verify(3) == 1.4
+    old = {k: v for k, v in prof.to_dict().items() if k != "verify_ms"} | {"version": 2}
+    assert CostProfile.from_dict(old).verify(3) == 1.4
+    with pytest.raises(Exception, match="another format version"):
+        CostProfile.from_dict({**old, "version": 1})
+    monkeypatch.setenv("SPECSTOP_CACHE", str(tmp_path))
+    fresh = get_profile(tiny_pair, SMALL)
+    path = dp.cache_path(tiny_pair, fresh.key)
+    path.write_text(json.dumps({k: v for k, v in fresh.to_dict().items() if k != "verify_ms"} | {"version": 2}))
+    assert get_profile(tiny_pair, SMALL).version == 3 and json.loads(path.read_text())["version"] == 3
+
+
 def test_a_tree_pass_is_never_priced_below_the_causal_pass_of_its_size():
     """`tree_curve`: a tree point measured under the causal curve is lifted to it (the same products plus a mask);
-    past the causal curve's end the tree's own points stand; the result is non-decreasing."""
+    past the causal curve's end its last point is the floor (a cheap tail point pooled with the ones before it
+    would drag them under theirs); the result is non-decreasing."""
     from models.cost import tree_curve
 
     assert tree_curve([0.9, 1.3, 1.0, 2.0, 1.9], [1.0, 1.2, 1.4]) == pytest.approx([1.0, 1.3, 1.4, 1.95, 1.95])
+    assert tree_curve([1.0, 1.0, 3.0, 3.0, 1.0], [1.0, 1.0, 3.0, 3.0]) == pytest.approx([1.0, 1.0, 3.0, 3.0, 3.0])
 
 
 def test_tree_rounds_are_priced_by_their_own_curves():
