@@ -289,3 +289,21 @@ def test_broken_policy_yaml_cli_one_line(cli, conf_dir, tmp_path):
     lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
     assert lines == [f"error: policy 'not_a_policy' ({conf_dir / 'policy' / 'not_a_policy.yaml'}): `_target_: "
                      "collections.OrderedDict` is not a decode.policies.StopPolicy"], r.stderr
+
+
+def test_the_search_path_follows_the_running_hydra_config(tmp_path):
+    """`discover.search_path()` reads the job's config sources once per Hydra config (decode asks per tree level),
+    and follows a new config: a folder added by hydra.searchpath appears, and goes when the config goes."""
+    from hydra.core.hydra_config import HydraConfig
+
+    hc = HydraConfig.instance()
+    saved = hc.cfg
+    try:
+        for extra, expect in ((f"hydra.searchpath=[file://{tmp_path}]", True), (None, False)):
+            with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+                cfg = compose("decode", overrides=[extra] if extra else [], return_hydra_config=True)
+            hc.set_config(cfg)
+            first = discover.search_path()
+            assert (tmp_path in first) is expect and discover.search_path() == first
+    finally:
+        hc.cfg = saved
