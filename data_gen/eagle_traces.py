@@ -47,9 +47,11 @@ def load_eagle(pair, t):
 
 @torch.no_grad()
 def _features(pair, seq: list[int], layers) -> torch.Tensor:
-    """The target's hidden states (T, 3, H) at `layers` over one sequence."""
-    out = pair.target(torch.tensor([seq], device=pair.device), output_hidden_states=True)
-    return torch.stack([out.hidden_states[i][0] for i in layers], 1).float()
+    """The target's hidden states (T, 3, H) at `layers` over one sequence (models.eagle3.target_features, what the
+    draft was trained on)."""
+    from models.eagle3 import target_features
+
+    return target_features(pair.target, torch.tensor([seq]), None, layers)[0]
 
 
 @torch.no_grad()

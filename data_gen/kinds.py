@@ -154,6 +154,9 @@ class _Eagle:
         return weights_path(t)
 
     def check_weights(self, t):
+        if t.get("weights") is None:
+            raise UserError("trace.weights is null and the pair names no EAGLE-3 draft (pair.eagle3.weights); pass "
+                            "trace.weights=PATH or train one with python -m train.eagle")
         if not self.weights(t).is_file():
             raise UserError(f"trace.weights={t.get('weights')} is not a file; train an EAGLE-3 draft with "
                             "python -m train.eagle")

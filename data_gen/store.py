@@ -78,7 +78,7 @@ def hash_payload(cfg: DictConfig) -> dict:
     pair = OmegaConf.to_container(cfg.pair, resolve=True)
     # linear: the manifest records what it resolved to (data_gen.run); forward: the decoder's model calls
     # (models.lm.LM), which trace generation's teacher-forced passes through transformers' forward never make
-    for key in ("device", "cache_dir", "linear", "forward"):
+    for key in ("device", "cache_dir", "linear", "forward", "eagle3"):  # eagle3: an EAGLE-3 kind hashes its weights
         pair.pop(key, None)
     # the int8 draft's kernel switch (models.lm_head.Int8Linear) moves its many-row products by one bf16 rounding, as
     # `linear` does: a kernel choice, not a data set, so folders made before the option existed keep their hash

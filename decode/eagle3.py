@@ -36,7 +36,7 @@ class _Loaded:
     """What both EAGLE-3 drafters share: the draft loaded for the pair, the target layers it reads, and the cost
     profile its rounds are priced on (its own step's curves)."""
 
-    def _load(self, pair, weights: str, quantize: str | None) -> None:
+    def _load(self, pair, weights: str | None, quantize: str | None) -> None:
         self.model, self.weights = load_for_pair(pair, weights, quantize)
         self.layers = tuple(self.model.cfg.layers)
         self.target = LM.of(pair, "target")
@@ -57,7 +57,7 @@ class Eagle3Drafter(_Loaded, Drafter):
     name = "eagle3"
     heads_from = "eagle3"  # heads trained on trace=eagle_chain traces (data_gen.eagle_traces)
 
-    def __init__(self, pair, policy, weights: str, quantize: str | None = "pair"):
+    def __init__(self, pair, policy, weights: str | None = None, quantize: str | None = "pair"):
         super().__init__(policy)
         self._load(pair, weights, quantize)
         self.vocab = int(pair.vocab_size)
@@ -140,7 +140,7 @@ class Eagle3Tree(_Loaded, StudentTree):
     params_of = "eagle3"
     heads_from = "eagle3"
 
-    def __init__(self, pair, policy, weights: str, quantize: str | None = "pair"):
+    def __init__(self, pair, policy, weights: str | None = None, quantize: str | None = "pair"):
         Drafter.__init__(self, policy)
         self._load(pair, weights, quantize)
         self.draft = TreeDraft(self.model, int(pair.vocab_size))

@@ -58,6 +58,22 @@ class Eagle3Config:
                    int(c.intermediate_size), chosen, int(c.vocab_size), float(c.rms_norm_eps), theta)
 
 
+@torch.no_grad()
+def target_features(target, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, layers, last: bool = False):
+    """The target's hidden states (transformers' `hidden_states` indices `layers`) stacked (B, T, 3, H) in float32
+    for a right-padded batch (attention_mask 1 on real tokens; None: no padding), on the target's device; with
+    `last`, also its final-norm output (B, T, H) in the target's dtype, for its head. The one definition of an
+    EAGLE-3 draft's input features: training on the fly (train.eagle_module), the feature cache beside the
+    distillation corpus (train.feature_cache) and the draft's traces (data_gen.eagle_traces) all call it, so a draft
+    reads in each what it was trained on; decoding taps the same numbers from its KV-cached target calls
+    (models.lm.target_pass, tested equal). Rows past a row's length hold padding's features (the caller masks them)."""
+    dev = next(target.parameters()).device
+    mask = None if attention_mask is None else attention_mask.to(dev)
+    out = target.model(input_ids=input_ids.to(dev), attention_mask=mask, output_hidden_states=True)
+    feats = torch.stack([out.hidden_states[int(i)] for i in layers], -2).float()
+    return (feats, out.last_hidden_state) if last else feats
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()

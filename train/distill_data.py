@@ -7,15 +7,22 @@ sharded and resumable under data_gen's manifest contract (`data_gen.store`: one 
 shards that appear only when complete, checksums, a mismatched folder refused in one line, `shard_id/num_shards`
 fan-out), and every finished shard's token ids are also exported (`seq_dir`, a few MB for millions of positions, meant
 to be committed). A machine that has the ids but not the cache rebuilds the top-k with one teacher-forced pass per
-prompt (`teacher_topk`) — the only time the target reads a sequence twice.
+prompt (`teacher_topk`).
 
-Phases (both resumable):
+Phases (all resumable):
 1. generated prompts (`gen_prompts`): the target writes new tasks from train-split seeds (self-instruct) and German
    versions of WikiText-2 train sentences (for Spec-Bench's "Translate German to English:"); rows are appended to
    `gen_prompts.path` (committed) batch by batch, and a rerun continues from the last row.
 2. responses: every prompt (train.distill_prompts + phase 1), rendered through the chat template, answered once per
    `responses.temperatures` entry (0 = greedy, 1 = the target's own distribution), batched with a KV cache;
-   `train.batch_gen.respond` keeps the teacher's top-k of the raw logits at each new token.
+   `train.batch_gen.respond` keeps the teacher's top-k of the raw logits at each new token. Each shard's generation
+   seconds go in its shard.json.
+3. with `features.cache=true`, right after each shard: the target's hidden states at an EAGLE-3 draft's three layers
+   (`features.layers`, null: models.eagle3's choice) over every sequence, one teacher-forced pass per batch of them,
+   stored beside the shard (train.feature_cache, bf16, atomic; the manifest records layers, dtype, bytes per position
+   and per shard positions and seconds). `python -m train.eagle data.features=cached` trains on them with no target
+   pass. A rerun adds the feature files its shards lack, so a corpus made without a cache can gain one.
+   `gen_prompts.kinds` (e.g. [coding]) keeps phase 1 to some self-instruct kinds: a code corpus (conf/corpus/).
 
 `python -m train.distill data.source=distill_data` (conf/distill.yaml) trains on the folder this writes.
 """
@@ -29,10 +36,8 @@ import os
 import random
 import shutil
 import time
-import uuid
 from pathlib import Path
 
-import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
@@ -42,12 +47,14 @@ from models.lm import cache_kw
 from models.pair import Pair, eos_ids, load_pair
 from train import batch_gen
 from train import distill_prompts as dp
+from train import feature_cache as fc
+from train.distill_store import SEQ_COLUMNS, export_seqs, load_items, read_seqs, write_shard  # noqa: F401 (the
+# corpus's storage lives in train.distill_store; its callers (train.distill, vocab_subset, bench) import it from here)
 from utils.cli import UserError, hydra_entry
 from utils.files import write_text_atomic
 
 log = logging.getLogger(__name__)
 CODE_VERSION = "distill-data-2"  # 2: train.batch_gen (shared prefill, own sampling stream)
-SEQ_COLUMNS = ("prompt_id", "source", "temperature", "ids", "start")
 
 
 # --------------------------------------------------------------------------------------------------- generation
@@ -114,11 +121,17 @@ def _response_dists(pair: Pair, prompt: list[int], rows: list[dict]) -> list[tor
 def _gen_requests(cfg: DictConfig) -> list[dict]:
     """Every planned generated-prompt request, in order: self-instruct tasks, then English→German sentences."""
     g = cfg.gen_prompts
-    seeds = dp.self_instruct_seeds()
+    seeds, kinds = dp.self_instruct_seeds(), g.get("kinds")
+    if kinds is not None:  # e.g. [coding]: a code corpus; the ids name the kinds, so no file of other kinds matches
+        unknown = sorted(set(kinds) - set(seeds))
+        if unknown:
+            raise UserError(f"gen_prompts.kinds {unknown} unknown; known: {', '.join(sorted(seeds))}")
+        seeds = {k: seeds[k] for k in kinds}
+    tag = "" if kinds is None else "-".join(sorted(kinds)) + "-"
     reqs = []
     for i in range(int(g.self_instruct)):
         kind, ask, prime = dp.self_instruct_request(i, seeds, int(cfg.seed))
-        reqs.append({"id": f"si-{i}", "source": f"self_instruct_{kind}", "request": ask, "prime": prime,
+        reqs.append({"id": f"si-{tag}{i}", "source": f"self_instruct_{kind}", "request": ask, "prime": prime,
                      "temperature": 1.0})
     first = int(g.get("translations_from", 0))  # a top-up set translates sentences the main set did not
     for j, s in enumerate(dp.english_sentences(first + int(g.translations))[first:], first):  # ids name the sentence
@@ -212,53 +225,6 @@ def out_folder(cfg: DictConfig) -> Path:
     return Path(os.path.expanduser(str(cfg.out_root))) / folder_name(cfg)
 
 
-def _table(rows: list[dict]):
-    import pyarrow as pa
-
-    return pa.table({
-        "prompt_id": pa.array([r["prompt_id"] for r in rows], pa.string()),
-        "source": pa.array([r["source"] for r in rows], pa.string()),
-        "temperature": pa.array([float(r["temperature"]) for r in rows], pa.float32()),
-        "ids": pa.array([np.asarray(r["ids"], np.int32) for r in rows], pa.list_(pa.int32())),
-        "start": pa.array([int(r["start"]) for r in rows], pa.int32()),
-        "topk_vals": pa.array([r["vals"].numpy().reshape(-1) for r in rows], pa.list_(pa.float16())),
-        "topk_idx": pa.array([r["idx"].numpy().reshape(-1) for r in rows], pa.list_(pa.int32())),
-    })
-
-
-def write_shard(folder: Path, index: int, rows: list[dict], extra: dict) -> dict:
-    """One responses shard, atomically, with checksums: data_gen's shard layout (store.save_table_shard)."""
-    return store.save_table_shard(folder, index, _table(rows), {
-        "positions": int(sum(len(r["ids"]) - int(r["start"]) for r in rows)),
-        "prompt_ids": sorted({r["prompt_id"] for r in rows}), **extra})
-
-
-def export_seqs(seq_dir: Path, index: int, rows: list[dict], chash: str) -> None:
-    """The shard's token ids (no top-k) as zstd parquet: small enough to commit, enough to rebuild the shard."""
-    import pyarrow.parquet as pq
-
-    t = _table(rows).select(list(SEQ_COLUMNS)).replace_schema_metadata({"config_hash": chash})
-    seq_dir.mkdir(parents=True, exist_ok=True)
-    path = seq_dir / f"{store.shard_name(index)}.parquet"
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    pq.write_table(t, tmp, compression="zstd")
-    os.replace(tmp, path)
-
-
-def read_seqs(seq_dir: Path, index: int, chash: str) -> list[dict] | None:
-    import pyarrow.parquet as pq
-
-    path = seq_dir / f"{store.shard_name(index)}.parquet"
-    if not path.is_file():
-        return None
-    t = pq.read_table(path)
-    made = (t.schema.metadata or {}).get(b"config_hash", b"").decode()
-    if made != chash:
-        raise UserError(f"{path} was made with config hash {made}, this run's is {chash}; move {seq_dir} aside or "
-                        "restore the settings it was made with")
-    return t.to_pylist()
-
-
 def _plan(cfg: DictConfig, prompts: list[dp.DistillPrompt]) -> list[list[dp.DistillPrompt]]:
     pps = int(cfg.prompts_per_shard)
     return [prompts[i : i + pps] for i in range(0, len(prompts), pps)]
@@ -315,6 +281,7 @@ def run(cfg: DictConfig) -> Path:
     pcfg = OmegaConf.create(OmegaConf.to_container(cfg.pair, resolve=True))
     pcfg.draft = OmegaConf.create({"source": "layer_subset", "layers": [0]})  # only the target runs here
     pair = load_pair(pcfg)
+    spec = fc.spec_of(cfg.features, pair.target) if cfg.features.cache else None  # bad settings: before any work
     if cfg.gen_prompts.enabled and int(cfg.num_shards) > 1 and int(cfg.shard_id) != 0:
         done, planned = len(dp.read_generated(Path(str(cfg.gen_prompts.path)))), len(_gen_requests(cfg))
         if done < planned:  # one writer for the shared jsonl; the other shard jobs plan from its finished state
@@ -323,7 +290,7 @@ def run(cfg: DictConfig) -> Path:
     generated = make_generated_prompts(cfg, pair) if cfg.gen_prompts.enabled else []
     prompts = all_prompts(cfg, generated)
     groups = _plan(cfg, prompts)
-    want = _manifest(cfg, pair, len(groups), prompts)
+    want = {**_manifest(cfg, pair, len(groups), prompts), **({"features": spec} if spec else {})}
     found = store.read_manifest(folder)
     if found is not None:
         _check(folder, found, want, bool(cfg.overwrite))
@@ -332,6 +299,11 @@ def run(cfg: DictConfig) -> Path:
             found = None
     folder.mkdir(parents=True, exist_ok=True)
     manifest = store.create_manifest(folder, want) if found is None else found
+    if spec is not None:
+        manifest = fc.adopt(folder, manifest, spec)
+    elif manifest.get("features"):  # its shards would lack features that train.eagle data.features=cached needs
+        raise UserError(f"{folder} caches the target's features ({manifest['features']['layers']}); rerun with "
+                        "features.cache=true so new shards get them too")
     seq_dir = Path(str(cfg.seq_dir)) / folder_name(cfg) if cfg.get("seq_dir") else None
     if seq_dir is not None:
         exported = store.read_manifest(seq_dir)
@@ -343,79 +315,80 @@ def run(cfg: DictConfig) -> Path:
         if exported is None or cfg.overwrite:  # a matching one stays as it is: its code_version is that of the run
             # that made the ids, and a rebuild rewriting it would churn a committed file
             store.write_json_atomic(seq_dir / store.MANIFEST,
-                                    {k: v for k, v in want.items() if k not in ("created", "dtype")})
+                                    {k: v for k, v in want.items() if k not in ("created", "dtype", "features")})
     _fill(cfg, pair, folder, manifest, groups, seq_dir)
     return folder
 
 
 def _fill(cfg, pair, folder: Path, manifest: dict, groups, seq_dir: Path | None) -> None:
+    """Make this job's missing shards and, with features.cache, the feature files its shards lack (train
+    .feature_cache: one teacher-forced pass per batch of a shard's sequences, right after the shard)."""
     shards = store.existing_shards(folder, full=False)
     alien = [store.shard_name(g) for g, m in shards.items() if m.get("config_hash") != manifest["config_hash"]]
     if alien:
         raise UserError(f"{folder} holds shards of another config ({', '.join(alien[:3])}); delete them or rerun "
                         "with overwrite=true")
-    mine = [g for g in range(len(groups)) if g % int(cfg.num_shards) == int(cfg.shard_id) and g not in shards]
+    spec = manifest.get("features") if cfg.features.cache else None
+    mine = [g for g in range(len(groups)) if g % int(cfg.num_shards) == int(cfg.shard_id)
+            and (g not in shards or (spec is not None and not fc.has_features(folder, g)))]
     if cfg.get("max_shards") is not None:
         mine = mine[: int(cfg.max_shards)]
     positions = sum(int(m.get("positions", 0)) for m in shards.values())
     bar = tqdm(total=len(groups), initial=len(shards), desc="distillation responses", unit="shard",
                dynamic_ncols=True, disable=not cfg.progress)
-    t0, made = time.perf_counter(), 0
+    t0, made, featured = time.perf_counter(), 0, 0.0
     for g in mine:
-        store.remove_stale_tmp(folder, g)
-        seqs = read_seqs(seq_dir, g, manifest["config_hash"]) if seq_dir is not None else None
-        if seqs is not None:
-            rows = teacher_topk(pair, seqs, int(cfg.topk), int(cfg.batch_size))
+        if g in shards:  # a finished shard without its feature file (a killed run, or a corpus gaining a cache)
+            rows = fc.stored_rows(folder, g)
         else:
-            rows = shard_rows(cfg, pair, groups[g], g)
-            made += sum(len(r["ids"]) - r["start"] for r in rows)
-        meta = write_shard(folder, g, rows, {"config_hash": manifest["config_hash"], "rebuilt": seqs is not None,
-                                             "dtype": str(pair.dtype).replace("torch.", "")})
-        if seq_dir is not None and seqs is None:
-            export_seqs(seq_dir, g, rows, manifest["config_hash"])
-        positions += meta["positions"]
-        bar.update(1)
-        bar.set_postfix_str(f"{positions / 1e6:.3f}M positions, {made / max(time.perf_counter() - t0, 1e-9):.0f} "
-                            "generated/s")
+            meta, rows, new = _make_shard(cfg, pair, folder, manifest, groups[g], g, seq_dir)
+            positions, made = positions + meta["positions"], made + new
+            bar.update(1)
+        if spec is not None:
+            fmeta = fc.write_features(folder, g, rows, pair.target, spec, cfg.features, pair.tokenizer.pad_token_id,
+                                      manifest["config_hash"])
+            featured += float(fmeta["seconds"])
+        elapsed = max(time.perf_counter() - t0, 1e-9)
+        bar.set_postfix_str(f"{positions / 1e6:.3f}M positions, {made / elapsed:.0f} generated/s"
+                            + (f", feature pass {featured / elapsed:.0%} of the time" if spec is not None else ""))
     bar.close()
+    _finish(folder, groups, positions, spec)
+
+
+def _make_shard(cfg, pair, folder: Path, manifest: dict, group, g: int, seq_dir: Path | None):
+    """Shard g generated (or rebuilt from its exported ids) and written: (its meta, rows, positions generated)."""
+    store.remove_stale_tmp(folder, g)
+    t0 = time.perf_counter()
+    seqs = read_seqs(seq_dir, g, manifest["config_hash"]) if seq_dir is not None else None
+    if seqs is not None:
+        rows = teacher_topk(pair, seqs, int(cfg.topk), int(cfg.batch_size))
+    else:
+        rows = shard_rows(cfg, pair, group, g)
+    meta = write_shard(folder, g, rows, {"config_hash": manifest["config_hash"], "rebuilt": seqs is not None,
+                                         "dtype": str(pair.dtype).replace("torch.", ""),
+                                         "gen_seconds": round(time.perf_counter() - t0, 3)})
+    if seq_dir is not None and seqs is None:
+        export_seqs(seq_dir, g, rows, manifest["config_hash"])
+    return meta, rows, 0 if seqs is not None else meta["positions"]
+
+
+def _finish(folder: Path, groups, positions: int, spec: dict | None) -> None:
+    """The manifest brought up to date (read afresh: other shard jobs write it too): `complete` with the totals once
+    every planned shard is there, and with a cache the per-shard throughput table (train.feature_cache)."""
+    manifest = store.read_manifest(folder)
     shards = store.existing_shards(folder, full=False)
     done = not store.missing_shards(manifest, shards)
+    update = {"feature_shards": fc.throughput(folder, shards)} if spec is not None else {}
     if done and not manifest.get("complete"):
-        store.write_json_atomic(folder / store.MANIFEST, {**manifest, "complete": True, "positions": positions,
-                                                            "rows": sum(int(m["rows"]) for m in shards.values())})
+        update.update(complete=True, positions=positions, rows=sum(int(m["rows"]) for m in shards.values()))
+    if update:
+        store.write_json_atomic(folder / store.MANIFEST, {**manifest, **update})
     print(f"{folder}: {len(shards)} of {len(groups)} shards, {positions} positions"
           + ("" if done else " (rerun the same command to continue)"), flush=True)
-
-
-def load_items(folder: Path | str, max_shards: int | None = None) -> tuple[list[dict], dict]:
-    """(training items {ids, start, vals, idx, source}, manifest) from the shards present in a responses folder —
-    the in-memory form train.distill trains on (a partial folder is usable: training can start while data grows).
-    `max_shards`: only the first N shards of the plan, all of which must be finished (runs that must see the same
-    data, e.g. an ablation, while the folder grows)."""
-    from datasets import load_from_disk
-
-    folder = Path(folder)
-    manifest = store.read_manifest(folder)
-    if manifest is None:
-        raise UserError(f"no distillation data at {folder} (no manifest.json); run python -m train.distill_data first")
-    k = int(manifest["topk"])
-    items = []
-    shards = sorted(store.existing_shards(folder, full=False))
-    if max_shards is not None:
-        if [i for i in shards if i < int(max_shards)] != list(range(int(max_shards))):
-            raise UserError(f"{folder} has {len(shards)} finished shards, not the first {max_shards}; run python -m "
-                            "train.distill_data until it has, or lower data.max_shards")
-        shards = shards[: int(max_shards)]
-    for index in shards:
-        ds = load_from_disk(str(folder / store.shard_name(index))).with_format("numpy")
-        for row in ds:
-            n = len(row["ids"]) - int(row["start"])
-            items.append({"ids": torch.as_tensor(row["ids"], dtype=torch.int32), "start": int(row["start"]),
-                          "vals": torch.as_tensor(row["topk_vals"]).view(n, k),
-                          "idx": torch.as_tensor(row["topk_idx"]).view(n, k), "source": str(row["source"])})
-    if not items:
-        raise UserError(f"{folder} has no finished shard yet; run python -m train.distill_data to make some")
-    return items, manifest
+    if spec is not None:
+        cached = [v["feature_positions"] for v in update["feature_shards"].values() if v["feature_positions"]]
+        print(f"features: {len(cached)} shards cached, {sum(cached):,} positions x {spec['bytes_per_position']} B = "
+              f"{sum(cached) * spec['bytes_per_position'] / 2**30:.2f} GiB", flush=True)
 
 
 @hydra_entry("distill_data")

@@ -1,13 +1,20 @@
 """`python -m train.eagle`: train the EAGLE-3 draft of a pair's target (models.eagle3) with training-time test.
 
     python -m train.eagle [pair=smollm2_135m] [train.max_steps=N] [train.ttt_steps=3] [name=RUN] [logger=wandb]
+    python -m train.eagle pair=qwen_coder_1.5b_eagle3 data.features=cached data.min_positions=300000 \\
+        'data.cache_dirs=[traces/distill/qwen_coder_1.5b_eagle3-responses]'
 
 Data: the target's own responses that `python -m train.distill_data` made and committed as token ids
 (`data.folders`, data/distill/responses*/: greedy and T = 1 answers to code, chat, QA, summarisation, translation and
-maths prompts, never a test prompt), each sequence's response positions the training targets. The target runs on
-every batch (no cache on disk): its hidden states at the draft's three layers are the features, its softmax the
-soft labels. A fixed share of prompts (`data.heldout_pct`, by a hash of the prompt id, so every answer to a prompt
-sits on one side) is held out for the agreement table.
+maths prompts, never a test prompt), each sequence's response positions the training targets. By default
+(`data.features=on_the_fly`) the target runs on every batch: its hidden states at the draft's three layers are the
+features, its softmax the soft labels. With `data.features=cached` the sequences come from `data.cache_dirs`, corpora
+that `python -m train.distill_data features.cache=true` made with the target's features stored beside each shard
+(train.feature_cache): no target pass at all, the soft labels the teacher's top-k the corpus keeps (`data.topk` of
+it; the tail beyond it gets no mass). A cache made at other layers than the draft reads, or by another target, is
+refused in one line. This is how a target too slow to run every epoch (1.5B on a CPU) gets its draft. A fixed share
+of prompts (`data.heldout_pct`, by a hash of the prompt id, so every answer to a prompt sits on one side) is held out
+for the agreement table.
 
 Training: AdamW with warmup and cosine decay, `train.ttt_steps` TTT steps (models.eagle3.forward_steps), Lightning
 with a checkpoint every `train.ckpt_minutes` under logs/eagle/<name>/; a rerun with the same name resumes it (the
@@ -61,6 +68,65 @@ def load_sequences(cfg: DictConfig) -> list[dict]:
     return [it for it in items if it["start"] < len(it["ids"])]
 
 
+FEATURES = ("on_the_fly", "cached")
+
+
+def _repo_path(folder) -> Path:
+    from models.student import REPO_ROOT
+
+    path = Path(str(folder))
+    return path if path.is_absolute() else REPO_ROOT / path
+
+
+def load_cached(cfg: DictConfig) -> tuple[list[dict], list[tuple[Path, dict]]]:
+    """Every finished shard's sequences of `data.cache_dirs` (train.distill_data corpora with features.cache=true)
+    with their teacher top-k and feature offsets (train.feature_cache), and each folder's cache spec; refused in one
+    line before the pair loads when a folder holds no cache or was made by another target (layers: `run`)."""
+    from data_gen import store
+    from train import feature_cache as fc
+
+    dirs = list(cfg.data.get("cache_dirs") or [])
+    if not dirs:
+        raise UserError("data.features=cached needs data.cache_dirs: the folders python -m train.distill_data "
+                        "features.cache=true wrote (traces/distill/<pair>-responses)")
+    target = OmegaConf.to_container(cfg.pair.target, resolve=True)
+    items, specs, domains, want_k = [], [], dict(cfg.data.domains or {}), cfg.data.get("topk")
+    for folder in map(_repo_path, dirs):
+        manifest = store.read_manifest(folder)
+        spec = fc.check_cache(folder, manifest, target)
+        if want_k is not None and int(want_k) > int(manifest["topk"]):
+            raise UserError(f"data.topk={want_k} but {folder} caches the teacher's top-{manifest['topk']}; "
+                            f"set data.topk to at most {manifest['topk']} (or null)")
+        for index in sorted(store.existing_shards(folder, full=False)):
+            for it in fc.cached_rows(folder, index, int(manifest["topk"])):
+                items.append({**it, "ids": it["ids"][: int(cfg.data.max_len)],
+                              "domain": domain_of(it["source"], domains)})
+        specs.append((folder, spec))
+    return [it for it in items if it["start"] < len(it["ids"])], specs
+
+
+def load_data(cfg: DictConfig) -> tuple[list[dict], list[tuple[Path, dict]]]:
+    """(sequences, cache specs) as `data.features` says: the committed ids of `data.folders` (the target runs on
+    every batch) or the cached corpora of `data.cache_dirs`."""
+    mode = str(cfg.data.get("features", "on_the_fly"))
+    if mode not in FEATURES:
+        raise UserError(f"data.features must be one of {', '.join(FEATURES)}, got '{mode}'")
+    return load_cached(cfg) if mode == "cached" else (load_sequences(cfg), [])
+
+
+def make_collate(cfg: DictConfig, pair):
+    """Items → a batch: token ids alone (on the fly), or with the cached features and top-k."""
+    from train.eagle_module import collate
+
+    pad = pair.tokenizer.pad_token_id
+    if str(cfg.data.get("features", "on_the_fly")) != "cached":
+        return lambda b: collate(b, pad)
+    from train.feature_cache import Features, collate_cached
+
+    files, k = Features(), cfg.data.get("topk")
+    return lambda b: collate_cached(b, pad, files, k)
+
+
 def split(items: list[dict], pct: float) -> tuple[list[dict], list[dict]]:
     """(train, held out): a prompt's answers fall on one side, by a stable hash of its id."""
     held = [zlib.crc32(str(it["prompt_id"]).encode()) % 10000 < pct * 100 for it in items]
@@ -107,26 +173,39 @@ def positions(items: list[dict]) -> int:
 
 
 def subset_ids(pair) -> torch.Tensor:
-    """The draft's reduced vocabulary: the pair's draft's (FR-Spec) subset, else the whole vocabulary."""
+    """The draft's reduced vocabulary (FR-Spec): the pair's own for EAGLE-3 (`eagle3.vocab_subset` most frequent
+    of `eagle3.vocab_freq`, a python -m train.vocab_subset file: the 1.5B pair, whose self-draft has the full
+    151,936-token head, ~233M parameters in an EAGLE-3 head), else its draft's subset (the default pair: the
+    student's 8,192), else the whole vocabulary."""
     from models.lm import LM
 
+    own = pair.cfg.get("eagle3") or {}
+    if own.get("vocab_subset"):
+        from models.lm_head import read_frequencies, subset_ids as top_ids
+        from models.pair import REPO_ROOT, eos_ids
+
+        if not own.get("vocab_freq"):
+            raise UserError("pair.eagle3.vocab_subset needs pair.eagle3.vocab_freq (python -m train.vocab_subset)")
+        path = Path(str(own["vocab_freq"]))
+        always = set(getattr(pair.tokenizer, "all_special_ids", []) or []) | eos_ids(pair.target, pair.tokenizer)
+        return top_ids(read_frequencies(path if path.is_absolute() else REPO_ROOT / path), int(own["vocab_subset"]),
+                       always, pair.vocab_size)
     support = LM.of(pair, "draft").support
     return support.cpu() if support is not None else torch.arange(pair.vocab_size)
 
 
-def _fit(cfg: DictConfig, pair, draft, train: list[dict], run_dir: Path):
+def _fit(cfg: DictConfig, pair, draft, train: list[dict], run_dir: Path, collate):
     from lightning import Trainer
     from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
     from datetime import timedelta
 
-    from train.eagle_module import EagleModule, collate
+    from train.eagle_module import EagleModule
     from train.job import make_loggers
 
     t = cfg.train
     sampler = ResumableBatches([len(it["ids"]) for it in train], int(t.batch_tokens), int(cfg.seed))
 
-    loader = torch.utils.data.DataLoader(train, batch_sampler=sampler,
-                                         collate_fn=lambda b: collate(b, pair.tokenizer.pad_token_id))
+    loader = torch.utils.data.DataLoader(train, batch_sampler=sampler, collate_fn=collate)
     ckpt = ModelCheckpoint(dirpath=run_dir / "checkpoints", save_last=True, save_top_k=0,
                            train_time_interval=timedelta(minutes=float(t.ckpt_minutes)))
     from train.distill import stop_rules, train_precision
@@ -149,9 +228,7 @@ def _fit(cfg: DictConfig, pair, draft, train: list[dict], run_dir: Path):
     return trainer
 
 
-def heldout_batches(pair, held: list[dict], cfg: DictConfig) -> list[dict]:
-    from train.eagle_module import collate
-
+def heldout_batches(held: list[dict], cfg: DictConfig, collate) -> list[dict]:
     per = int(cfg.data.heldout_per_domain)
     by: dict[str, list[dict]] = {}
     for it in held:
@@ -159,7 +236,15 @@ def heldout_batches(pair, held: list[dict], cfg: DictConfig) -> list[dict]:
             by[it["domain"]].append(it)
     rows = sorted((it for v in by.values() for it in v), key=lambda it: len(it["ids"]))
     size = max(1, int(cfg.train.batch_tokens) // max(len(rows[-1]["ids"]) if rows else 1, 1))
-    return [collate(rows[i : i + size], pair.tokenizer.pad_token_id) for i in range(0, len(rows), size)]
+    return [collate(rows[i : i + size]) for i in range(0, len(rows), size)]
+
+
+def check_layers(folder: Path, spec: dict, draft) -> None:
+    """A cache serves a draft only at the layers and hidden size it reads."""
+    if list(spec["layers"]) != list(draft.cfg.layers) or int(spec["hidden"]) != draft.cfg.hidden:
+        raise UserError(f"data.cache_dirs: {folder} caches the target's layers {spec['layers']} (hidden "
+                        f"{spec['hidden']}), the draft reads {list(draft.cfg.layers)} (hidden {draft.cfg.hidden}); set "
+                        f"model.layers={spec['layers']} or cache the draft's with train.distill_data features.layers=")
 
 
 def run(cfg: DictConfig) -> dict:
@@ -170,7 +255,7 @@ def run(cfg: DictConfig) -> dict:
     torch.manual_seed(int(cfg.seed))
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg.threads))
-    items = load_sequences(cfg)
+    items, caches = load_data(cfg)
     train, held = split(items, float(cfg.data.heldout_pct))
     n_pos = positions(train)
     print(f"train.eagle: {len(train)} sequences, {n_pos:,} response positions; {len(held)} held out", flush=True)
@@ -182,12 +267,16 @@ def run(cfg: DictConfig) -> dict:
         p.requires_grad_(False)
     run_dir = Path(str(cfg.run_dir))
     draft = Eagle3.from_target(pair.target, subset_ids(pair), cfg.model.get("layers")).float().to(pair.device)
+    for folder, spec in caches:
+        check_layers(folder, spec, draft)
+    collate = make_collate(cfg, pair)
     t0 = time.time()
-    trainer = _fit(cfg, pair, draft, train, run_dir)
-    agree = agreement(draft, pair.target, heldout_batches(pair, held, cfg), steps=int(cfg.eval_steps))
+    trainer = _fit(cfg, pair, draft, train, run_dir, collate)
+    agree = agreement(draft, pair.target, heldout_batches(held, cfg, collate), steps=int(cfg.eval_steps))
     info = {"command": "python -m train.eagle " + " ".join(sys.argv[1:]), "pair": pair.pair_id,
-            "data": {"folders": [str(f) for f in cfg.data.folders], "sequences": len(train), "positions": n_pos,
-                     "heldout_sequences": len(held)},
+            "data": {"features": str(cfg.data.get("features", "on_the_fly")),
+                     "folders": [str(f) for f in (cfg.data.folders if not caches else [f for f, _ in caches])],
+                     "sequences": len(train), "positions": n_pos, "heldout_sequences": len(held)},
             "steps": int(trainer.global_step), "ttt_steps": int(cfg.train.ttt_steps),
             "layers": list(draft.cfg.layers), "vocab_subset": len(draft.ids), "train_minutes": (time.time() - t0) / 60,
             "heldout_top1_agreement_by_step": agree,

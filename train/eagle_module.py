@@ -1,5 +1,6 @@
 """EAGLE-3 training pieces: the target's own responses as batches, the target's features and distributions computed
-on the fly, and the Lightning module that trains the draft with training-time test (models.eagle3.forward_steps).
+on the fly (`target_pass`) or read from the corpus's cache (`cached_pass`, train.feature_cache), and the Lightning
+module that trains the draft with training-time test (models.eagle3.forward_steps).
 
 Loss of TTT step j at row i (the draft having read tokens up to i + j + 1, its own outputs as features beyond step
 0): cross-entropy of the draft's subset distribution against the target's distribution for token i + j + 2 (the
@@ -16,6 +17,8 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
+
+from models.eagle3 import target_features
 
 
 def collate(items: list[dict], pad_id: int) -> dict:
@@ -37,15 +40,35 @@ def target_pass(target, layers, batch: dict, ids: torch.Tensor):
     dev = target.device
     pos = torch.arange(x.shape[1])[None]
     att = (pos < lengths[:, None]).long()
-    out = target.model(input_ids=x.to(dev), attention_mask=att.to(dev), output_hidden_states=True)
-    feats = torch.stack([out.hidden_states[i] for i in layers], 2).float()
+    feats, last = target_features(target, x, att, layers, last=True)
     need = ((pos >= starts[:, None] - 1) & (pos < lengths[:, None] - 1)).to(dev)
-    z = target.lm_head(out.last_hidden_state[need]).float()
+    z = target.lm_head(last[need]).float()
     logp = torch.zeros(*x.shape, len(ids), device=dev)
     logp[need] = z.log_softmax(-1)[:, ids.to(dev)]
     top = torch.zeros(x.shape, dtype=torch.long, device=dev)
     top[need] = z.argmax(-1)
     return feats, logp, top
+
+
+def cached_pass(batch: dict, ids: torch.Tensor):
+    """target_pass's triple from a batch that carries the cache (train.feature_cache.collate_cached): its features,
+    and the teacher's top-k read on the subset `ids` as log-probabilities (−inf off the top-k: the loss gives those
+    tokens no mass, as the target's mass outside the subset gets none). Equal to target_pass's when k covers the
+    vocabulary; with a smaller k the loss drops the teacher's tail beyond its top-k."""
+    dev = ids.device
+    vals, idx = batch["topk_vals"].to(dev).float(), batch["topk_idx"].to(dev).long()
+    where = torch.full((max(int(ids.max()), int(idx.max())) + 1,), len(ids), dtype=torch.long, device=dev)
+    where[ids] = torch.arange(len(ids), device=dev)
+    p = vals.new_zeros(*vals.shape[:-1], len(ids) + 1).scatter_add_(-1, where[idx], vals)  # last column: off subset
+    return batch["feats"].to(dev), p[..., :-1].log(), idx[..., 0]
+
+
+def batch_labels(target, draft, batch: dict):
+    """(features, log-probabilities on the draft's subset, top token) of a batch: from the cache when the batch
+    carries it (data.features=cached), else the target's pass over it."""
+    if "feats" in batch:
+        return cached_pass(batch, draft.ids)
+    return target_pass(target, draft.cfg.layers, batch, draft.ids)
 
 
 def step_targets(lengths, starts, T: int, j: int) -> torch.Tensor:
@@ -83,7 +106,7 @@ class EagleModule(L.LightningModule):
         object.__setattr__(self, "target", target)
 
     def training_step(self, batch, _):
-        feats, logp, top = target_pass(self.target, self.draft.cfg.layers, batch, self.draft.ids)
+        feats, logp, top = batch_labels(self.target, self.draft, batch)
         loss, counts = ttt_losses(self.draft, batch, feats, logp, top, int(self.tcfg.ttt_steps))
         self.log("train/loss", loss, prog_bar=True, batch_size=len(batch["x"]))
         for j, (a, n) in enumerate(counts[:3]):
@@ -112,7 +135,7 @@ def agreement(draft, target, batches, steps: int = 5) -> dict:
     sums: dict[str, list[list[int]]] = {}
     draft.eval()
     for batch in batches:
-        feats, logp, top = target_pass(target, draft.cfg.layers, batch, draft.ids)
+        feats, logp, top = batch_labels(target, draft, batch)
         for dom in set(batch["domains"]):
             rows = torch.tensor([d == dom for d in batch["domains"]])
             sub = {"x": batch["x"][rows], "lengths": batch["lengths"][rows], "starts": batch["starts"][rows]}
