@@ -189,8 +189,11 @@ def _summarize(rows: list[dict], methods: list[Method], drafters: dict, profile,
     for m in methods:
         dr = drafters[m.key]
         pol = dr.policy
-        s = metrics.summarize([r for r in rows if r["method"] == m.key], target_rows, dr.profile_of(profile), greedy,
+        own_profile = dr.profile_of(profile)
+        s = metrics.summarize([r for r in rows if r["method"] == m.key], target_rows, own_profile, greedy,
                               not _approx(dr))
+        if own_profile is not None and own_profile is not profile:  # what its cost model read, for eval.wall_gap
+            s["own_profile"] = own_profile.drafter_parts()
         s.update(oracle=bool(getattr(pol, "oracle", False)), approximate=_approx(dr), params=pol.describe(),
                  measured_c=c_of.get(m.drafter, float("nan")), external=bool(getattr(pol, "external", False)),
                  drafter=m.drafter or "student")

@@ -13,10 +13,12 @@ expected-value stop rule) reads this curve instead:
   the CPU caches (measured 1.2-1.5× a warm step on a 2-core EPYC: it is most of the draft cost of short rounds);
 - `target_ms[n-1]`: one target call on n new tokens with logits at all n, right after another target call (as
   target-only decoding runs: its step is the unit every speedup is counted in);
-- `verify_ms[n-1]`: the same call right after a draft call, as a verification of n-1 drafted tokens runs. It costs
-  more: in the loop, passes after draft calls ran 2-9% above the back-to-back curve (AMD EPYC bf16, 2026-11-29,
-  `python -m eval.wall_gap`) while target-only steps matched it within 1.5% — the draft's weights and cache have
-  pushed the target's out of the CPU caches. Version 2 profiles lack it (None): verification priced as `target_ms`;
+- `verify_ms[n-1]`: the same call right after a draft call, as a verification of n-1 drafted tokens runs (every
+  point is timed after the call that precedes it in the loop: models.profiling). Why a curve of its own: in the
+  loop, passes after draft calls ran 2-9% above the back-to-back curve while target-only steps matched it within
+  1.5% (`python -m eval.wall_gap`); the draft evicting the target from the CPU caches was the suspect, but on a
+  2-core EPYC in bf16 the two curves came out equal (verify ÷ target 0.97-1.00 for n = 1..17, 2026-11-29 12:40), so
+  the gap lies elsewhere. Version 2 profiles lack it (None): verification priced as `target_ms`;
 - `prefill_ms`: first calls on a fresh cache of L prompt tokens, for a few L (interpolated between them);
 - token trees (decode.tree) call the models differently, so their rounds read two more curves:
   `draft_level_ms[n-1]`, one draft call on a tree level of n nodes with logits at all n (tree-attention mask), and
@@ -56,8 +58,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from utils.cli import UserError
 
-PROFILE_VERSION = 3  # 3: verification passes timed after a draft call (`verify_ms`); 2 is still read (records)
+PROFILE_VERSION = 3  # 3: every point timed after its predecessor in the loop, `verify_ms`; 2 is still read (records)
 READABLE_VERSIONS = (2, 3)
+DRAFTER_PARTS = ("draft_ms", "draft_cold_ms", "prefill_draft_ms", "draft_level_ms", "verify_ms")
 
 
 def machine() -> str:
@@ -152,6 +155,17 @@ class CostProfile:
             raise ValueError(f"round_steps: {draft_calls} draft calls need {draft_calls - 1} level sizes, got {levels}")
         draft = cold + sum(self.level_draft(w) for w in levels)
         return float((draft + self.tree_target(verified + 1)) / self.target_ms[0])
+
+    def drafter_parts(self) -> dict:
+        """The curves a drafter's own profile replaces in its pair's (decode's `Drafter.profile_of`: prompt
+        lookup's free drafts, EAGLE-3's own step), as a decode summary records them per method (`own_profile`)."""
+        return {k: getattr(self, k) for k in DRAFTER_PARTS}
+
+    def with_drafter(self, parts: dict | None) -> "CostProfile":
+        """This profile with a drafter's recorded parts (`drafter_parts`) in place of the pair draft's."""
+        from dataclasses import replace
+
+        return replace(self, **{k: v for k, v in (parts or {}).items() if k in DRAFTER_PARTS})
 
     # -- storage ----------------------------------------------------------------------------------------------
     def to_dict(self) -> dict:

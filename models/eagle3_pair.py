@@ -56,8 +56,9 @@ class TreeDraft:
         return z.new_full((last, self.vocab), float("-inf")).index_copy_(1, m.ids, z), None
 
 
-def load_for_pair(pair, weights: str, quantize: str | None) -> tuple[Eagle3, str]:
-    """The saved draft on the pair's target, in its dtype and device, prepared for drafting (models.eagle3
+def load_for_pair(pair, weights: str | None, quantize: str | None) -> tuple[Eagle3, str]:
+    """The saved draft (`weights`; None: the pair's `eagle3.weights`) on the pair's target, in its dtype and device,
+    prepared for drafting (models.eagle3
     `prepare`: the pair's linear products; int8 where `quantize` says, `pair` following pair.draft.quantize)."""
     from pathlib import Path
 
@@ -66,6 +67,11 @@ def load_for_pair(pair, weights: str, quantize: str | None) -> tuple[Eagle3, str
     q = pair.cfg.draft.get("quantize") if quantize == "pair" else quantize
     if q not in (None, "int8"):
         raise UserError(f"drafter eagle3's quantize must be pair, int8 or null, got '{quantize}'")
+    if weights is None:  # the drafter's yaml leaves it to the pair
+        weights = (pair.cfg.get("eagle3") or {}).get("weights")
+        if weights is None:
+            raise UserError(f"pair {pair.pair_id} names no EAGLE-3 draft (pair.eagle3.weights); pass "
+                            "drafter.eagle3.weights=PATH, or train one with python -m train.eagle")
     path = Path(str(weights))
     path = path if path.is_absolute() else REPO_ROOT / path
     model = Eagle3.load(path, pair.target).to(device=pair.device, dtype=pair.dtype).eval()
@@ -81,16 +87,22 @@ def draft_profile(model: Eagle3, weights: str, profile, target=None):
     builders. A round's first call (`draft_cold_ms`) is timed as it runs, given the `target` LM: right after a
     target pass, the committed tokens' features fused and two of them run (a round's first call feeds accepted + 1
     tokens; EAGLE-3 accepts about one a round on MBPP). It costs 2.8× a warm one-token step (0.88 vs 0.31 ms, 2-core
-    EPYC, bf16, 2026-11-29), which is what it was priced as before. Measured once per weights, profile and target."""
+    EPYC, bf16, 2026-11-29), which is what it was priced as before. The later calls of a round (`draft_ms`, a tree's
+    level calls) are timed after a target pass and a round's first call too (`_round_start`), not back to back: the
+    draft's ~19 MB fit a CPU's last-level cache and a 135M target's pass evicts them, so a back-to-back step is
+    warmer than any the loop makes — priced so, EAGLE-3's draft time in the loop ran 31-57% over its model (MBPP
+    20 × 64, `python -m eval.wall_gap`, 2026-11-29 12:57). Measured once per weights, profile and target."""
     import dataclasses
 
     if profile is None:
         return None
     key = (weights, json.dumps(profile.key, sort_keys=True, default=str), target is not None)
     if key not in _PROFILES:
-        ms = [_step_ms(model, n, profile.context) for n in range(1, len(profile.draft_ms) + 1)]
+        later = None if target is None else _round_start(model, target, profile.context)
+        ms = [_step_ms(model, n, profile.context, before=later) for n in range(1, len(profile.draft_ms) + 1)]
         level = None if not profile.draft_level_ms else [
-            _step_ms(model, n, profile.context, tree=True) for n in range(1, len(profile.draft_level_ms) + 1)]
+            _step_ms(model, n, profile.context, tree=True, before=later)
+            for n in range(1, len(profile.draft_level_ms) + 1)]
         pre = [_step_ms(model, L, 0) for L in profile.prefill_lengths]
         cold = ms[0] if target is None else _first_call_ms(model, target, profile.context)
         _PROFILES[key] = dataclasses.replace(profile, key={**profile.key, "drafter": "eagle3"}, draft_ms=ms,
@@ -117,6 +129,24 @@ def _first_call_ms(m: Eagle3, target, context: int, rows: int = 2, repeats: int 
     return _median_ms(lambda: m.logits(m.step(toks, m.fuse(feats), dcache)[-1:]), after_target_pass, repeats)
 
 
+@torch.inference_mode()
+def _round_start(m: Eagle3, target, context: int, rows: int = 2):
+    """An untimed setup: a target pass over 3 tokens, then a round's first draft call (on a cache of its own), so a
+    timed call after it finds the caches as a round's second call does."""
+    dev, dtype = m.ids.device, next(m.parameters()).dtype
+    ids = [(100 + i) % target.vocab for i in range(context + 3)]
+    tcache, dcache = target.new_cache(), m.new_cache()
+    target(ids[:context], tcache, last=0)
+    toks, feats = torch.tensor(ids[:rows], device=dev), torch.zeros(rows, 3, m.cfg.hidden, device=dev, dtype=dtype)
+
+    def setup():
+        target(ids[context : context + 3], tcache, last=3)
+        tcache.crop(-3)
+        m.logits(m.step(toks, m.fuse(feats), dcache)[-1:])
+        dcache.crop(0)
+    return setup
+
+
 def _median_ms(call, setup, repeats: int) -> float:
     """Median ms of `call` over `repeats` timed runs after 3 untimed ones, `setup` (untimed) before each."""
     times = []
@@ -129,7 +159,7 @@ def _median_ms(call, setup, repeats: int) -> float:
 
 
 @torch.inference_mode()
-def _step_ms(m: Eagle3, n: int, context: int, tree: bool = False, repeats: int = 15) -> float:
+def _step_ms(m: Eagle3, n: int, context: int, tree: bool = False, repeats: int = 15, before=None) -> float:
     dev = m.ids.device
     h = torch.zeros(context + n, m.cfg.hidden, device=dev, dtype=next(m.parameters()).dtype)
     toks = torch.zeros(context + n, dtype=torch.long, device=dev)
@@ -142,5 +172,8 @@ def _step_ms(m: Eagle3, n: int, context: int, tree: bool = False, repeats: int =
         mask[:, :context] = True
         mask[:, context:] = torch.eye(n, dtype=torch.bool, device=dev)
         tree_args = {"positions": torch.full((n,), context, device=dev), "mask": mask}
-    return _median_ms(lambda: m.logits(m.step(toks[context:], h[context:], cache, **tree_args)),
-                      lambda: cache.crop(context), repeats)
+    def setup():
+        if before is not None:
+            before()
+        cache.crop(context)
+    return _median_ms(lambda: m.logits(m.step(toks[context:], h[context:], cache, **tree_args)), setup, repeats)

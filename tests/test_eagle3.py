@@ -273,6 +273,11 @@ def test_train_eagle_learns_resumes_and_decodes_losslessly(cli, tiny_responses, 
     assert set(gap) == set(summary)
     assert all(v["target_s"] > 0 and v["target_model_s"] > 0 and 0 <= v["draft_share"] < 1 for v in gap.values())
     assert gap["target"]["draft_share"] == 0 and gap["eagle3/constant"]["draft_share"] > 0
+    # EAGLE-3's draft part is priced on its own curves, which its summary records (the student's on the pair's)
+    assert "own_profile" in summary["eagle3/constant"] and "own_profile" not in summary["student/constant"]
+    assert summary["eagle3/constant"]["own_profile"]["draft_ms"] != json.loads((dec / "run.json").read_text())[
+        "cost_profile"]["draft_ms"]
+    assert gap["eagle3/constant"]["draft_vs_model"] is not None and gap["student/svip"]["draft_vs_model"] is not None
     r = cli("eval.wall_gap", str(tmp_path))
     assert r.returncode == 2 and "no run.json" in r.stderr and "Traceback" not in r.stderr
 
@@ -471,3 +476,48 @@ def test_eagle_tree_traces_replay_what_decode_runs(tiny_pair, trained, name):
     with pytest.raises(Exception, match="trained on student's traces"):
         build_drafter("eagle3_tree", tiny_pair, LearnedTree(bundle=bundle, topk=3, max_depth=3, max_nodes=12,
                                                             profile=prof), {"weights": str(trained)})
+
+
+def test_the_pair_names_its_eagle3_weights(tiny_pair, trained):
+    """Drafters eagle3 / eagle3_tree with no `weights` load the pair's `eagle3.weights` (the default pair's and the
+    1.5B pair's yaml name theirs); a pair that names none is refused in one line naming both ways out."""
+    import copy
+
+    from omegaconf import OmegaConf
+
+    from decode.drafter import build_drafter
+    from decode.policies import build_policy
+    from utils.cli import UserError
+
+    with pytest.raises(UserError, match="names no EAGLE-3 draft.*drafter.eagle3.weights=PATH"):
+        build_drafter("eagle3", tiny_pair, build_policy("constant"))
+    named = copy.copy(tiny_pair)
+    named.cfg = OmegaConf.merge(tiny_pair.cfg, {"eagle3": {"weights": str(trained)}})
+    for name in ("eagle3", "eagle3_tree"):
+        policy = build_policy("constant") if name == "eagle3" else build_policy("eagle2", {"nodes": 4}, pair=tiny_pair)
+        assert build_drafter(name, named, policy).weights == str(trained)
+    for pair in ("smollm2_135m", "qwen_coder_1.5b_eagle3"):
+        assert OmegaConf.load(f"conf/pair/{pair}.yaml").eagle3.weights.startswith("models/weights/")
+
+
+def test_a_pair_gives_its_eagle3_draft_its_own_reduced_vocabulary(tiny_pair, tmp_path):
+    """`pair.eagle3.vocab_subset` of `pair.eagle3.vocab_freq` (train.vocab_subset's file) is the EAGLE-3 head's
+    vocabulary (the 1.5B pair's self-draft has none to lend), EOS always in it; without the file, one line."""
+    import copy
+    import json
+
+    from omegaconf import OmegaConf
+
+    from train.eagle import subset_ids
+    from utils.cli import UserError
+
+    freq = tmp_path / "freq.json"
+    freq.write_text(json.dumps({"ids_by_frequency": list(range(tiny_pair.vocab_size - 1, -1, -1))}))
+    pair = copy.copy(tiny_pair)
+    pair.cfg = OmegaConf.merge(tiny_pair.cfg, {"eagle3": {"vocab_subset": 10, "vocab_freq": str(freq)}})
+    ids = subset_ids(pair).tolist()
+    top = set(range(tiny_pair.vocab_size - 10, tiny_pair.vocab_size))
+    assert top <= set(ids) and set(ids) - top <= set(tiny_pair.eos_ids) | set(tiny_pair.tokenizer.all_special_ids)
+    pair.cfg = OmegaConf.merge(tiny_pair.cfg, {"eagle3": {"vocab_subset": 10}})
+    with pytest.raises(UserError, match="needs pair.eagle3.vocab_freq"):
+        subset_ids(pair)
