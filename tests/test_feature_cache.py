@@ -104,6 +104,12 @@ def test_corpus_caches_features_beside_each_shard_and_resumes_the_missing_ones(t
     assert sorted(table) == ["shard-00000", "shard-00001", "shard-00002"]
     assert all(v["feature_seconds"] >= 0 and v["feature_positions"] > v["positions"] > 0 for v in table.values())
     assert all(v["gen_seconds"] > 0 for v in table.values())
+    from bench.corpus_throughput import run as throughput  # the bench table reads the run's own timings
+
+    got = throughput(OmegaConf.create({"corpus": str(folder), "out_dir": str(tmp_path / "bench")}))[folder.name]
+    assert got["response_positions"] == sum(v["positions"] for v in table.values()) and got["timed_shards"] == 3
+    assert got["gen_positions_per_s"] > 0 and "threads" in got["machine"] and got["dtype"]
+    assert "| " + folder.name + " |" in (tmp_path / "bench" / "corpus_throughput.md").read_text()
     rows = fc.stored_rows(folder, 1)
     path = fc.path_of(folder, 1)
     meta = fc.read_meta(path)

@@ -43,6 +43,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from data_gen import store
+from models.cost import machine
 from models.lm import cache_kw
 from models.pair import Pair, eos_ids, load_pair
 from train import batch_gen
@@ -365,7 +366,8 @@ def _make_shard(cfg, pair, folder: Path, manifest: dict, group, g: int, seq_dir:
     else:
         rows = shard_rows(cfg, pair, group, g)
     meta = write_shard(folder, g, rows, {"config_hash": manifest["config_hash"], "rebuilt": seqs is not None,
-                                         "dtype": str(pair.dtype).replace("torch.", ""),
+                                         "dtype": str(pair.dtype).replace("torch.", ""), "machine": machine(),
+                                         "threads": torch.get_num_threads(),
                                          "gen_seconds": round(time.perf_counter() - t0, 3)})
     if seq_dir is not None and seqs is None:
         export_seqs(seq_dir, g, rows, manifest["config_hash"])

@@ -170,6 +170,8 @@ def throughput(folder: Path, shards: dict[int, dict]) -> dict:
         meta = read_meta(path) if path.is_file() else {}
         out[store.shard_name(index)] = {
             "positions": int(shards[index].get("positions", 0)), "gen_seconds": shards[index].get("gen_seconds"),
+            "machine": shards[index].get("machine"), "threads": shards[index].get("threads"),
+            "dtype": shards[index].get("dtype"),
             "feature_positions": int(meta["positions"]) if meta else None,
             "feature_seconds": float(meta["seconds"]) if meta else None}
     return out
