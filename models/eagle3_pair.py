@@ -110,38 +110,45 @@ def draft_profile(model: Eagle3, weights: str, profile, target=None):
     return _PROFILES[key]
 
 
+def _target_round(m: Eagle3, target, context: int, rows: int):
+    """What a round's draft calls follow: a target cache prefilled to `context` and a closure making a round's
+    3-token target pass (then cropping it), with the ids and a round's first-call inputs (`rows` committed tokens,
+    their features)."""
+    dev, dtype = m.ids.device, next(m.parameters()).dtype
+    ids = [(100 + i) % target.vocab for i in range(context + 3)]
+    tcache = target.new_cache()
+    target(ids[:context], tcache, last=0)
+    toks, feats = torch.tensor(ids[:rows], device=dev), torch.zeros(rows, 3, m.cfg.hidden, device=dev, dtype=dtype)
+
+    def target_pass():
+        target(ids[context : context + 3], tcache, last=3)
+        tcache.crop(-3)
+    return ids, target_pass, toks, feats
+
+
 @torch.inference_mode()
 def _first_call_ms(m: Eagle3, target, context: int, rows: int = 2, repeats: int = 15) -> float:
     """A round's first draft call as decode.eagle3 runs it, after a target pass over 3 tokens (`draft_profile`)."""
-    dev, dtype = m.ids.device, next(m.parameters()).dtype
-    ids = [(100 + i) % target.vocab for i in range(context + 3)]
-    tcache, dcache = target.new_cache(), m.new_cache()
-    target(ids[:context], tcache, last=0)
-    m.step(torch.tensor(ids[:context], device=dev), torch.zeros(context, m.cfg.hidden, device=dev, dtype=dtype),
-           dcache)
-    toks, feats = torch.tensor(ids[:rows], device=dev), torch.zeros(rows, 3, m.cfg.hidden, device=dev, dtype=dtype)
+    ids, target_pass, toks, feats = _target_round(m, target, context, rows)
+    dcache = m.new_cache()
+    m.step(torch.tensor(ids[:context], device=toks.device),
+           torch.zeros(context, m.cfg.hidden, device=toks.device, dtype=feats.dtype), dcache)
 
-    def after_target_pass():
-        target(ids[context : context + 3], tcache, last=3)
-        tcache.crop(-3)
+    def setup():
+        target_pass()
         dcache.crop(context)
-
-    return _median_ms(lambda: m.logits(m.step(toks, m.fuse(feats), dcache)[-1:]), after_target_pass, repeats)
+    return _median_ms(lambda: m.logits(m.step(toks, m.fuse(feats), dcache)[-1:]), setup, repeats)
 
 
 @torch.inference_mode()
 def _round_start(m: Eagle3, target, context: int, rows: int = 2):
     """An untimed setup: a target pass over 3 tokens, then a round's first draft call (on a cache of its own), so a
     timed call after it finds the caches as a round's second call does."""
-    dev, dtype = m.ids.device, next(m.parameters()).dtype
-    ids = [(100 + i) % target.vocab for i in range(context + 3)]
-    tcache, dcache = target.new_cache(), m.new_cache()
-    target(ids[:context], tcache, last=0)
-    toks, feats = torch.tensor(ids[:rows], device=dev), torch.zeros(rows, 3, m.cfg.hidden, device=dev, dtype=dtype)
+    _, target_pass, toks, feats = _target_round(m, target, context, rows)
+    dcache = m.new_cache()
 
     def setup():
-        target(ids[context : context + 3], tcache, last=3)
-        tcache.crop(-3)
+        target_pass()
         m.logits(m.step(toks, m.fuse(feats), dcache)[-1:])
         dcache.crop(0)
     return setup

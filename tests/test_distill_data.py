@@ -23,12 +23,13 @@ from train.distill_module import subset_index
 from utils.cli import CONF_DIR, UserError
 
 
-def compose_data(tmp_path, *overrides: str):
+def compose_data(tmp_path, *overrides: str, new_tokens: int = 5):
+    """A tiny-pair distill_data config writing under tmp_path (tests/test_feature_cache.py adds its feature cache)."""
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose("distill_data", overrides=[
             "pair=tiny_random", f"out_root={tmp_path / 'out'}", f"seq_dir={tmp_path / 'seqs'}",
             f"gen_prompts.path={tmp_path / 'gen.jsonl'}", "gen_prompts.self_instruct=3", "gen_prompts.translations=2",
-            "gen_prompts.max_new_tokens=6", "responses.max_new_tokens=5", "limit=6", "prompts_per_shard=2",
+            "gen_prompts.max_new_tokens=6", f"responses.max_new_tokens={new_tokens}", "limit=6", "prompts_per_shard=2",
             "batch_size=3", "topk=4", "progress=false", "sources=[mbpp]", "max_prompt_tokens=400",
             *overrides])
 

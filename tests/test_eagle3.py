@@ -521,3 +521,19 @@ def test_a_pair_gives_its_eagle3_draft_its_own_reduced_vocabulary(tiny_pair, tmp
     pair.cfg = OmegaConf.merge(tiny_pair.cfg, {"eagle3": {"vocab_subset": 10}})
     with pytest.raises(UserError, match="needs pair.eagle3.vocab_freq"):
         subset_ids(pair)
+
+
+def test_eagle3_profile_times_its_calls_after_a_target_pass(tiny_pair):
+    """draft_profile replaces the pair's draft curves with EAGLE-3's own, timed as the loop runs them (after a
+    target pass and, for the later calls, a round's first call): every curve the cost model reads is there, of the
+    pair profile's lengths, positive, and the profile says whose it is."""
+    from models.eagle3_pair import draft_profile
+    from models.lm import LM
+    from models.profiling import get_profile
+
+    prof = get_profile(tiny_pair)
+    own = draft_profile(draft_for(tiny_pair), "tiny-test", prof, LM.of(tiny_pair, "target"))
+    assert own.key["drafter"] == "eagle3" and own.target_ms == prof.target_ms
+    assert len(own.draft_ms) == len(prof.draft_ms) and len(own.draft_level_ms) == len(prof.draft_level_ms)
+    assert len(own.prefill_draft_ms) == len(prof.prefill_draft_ms)
+    assert own.draft_cold_ms > 0 and min(own.draft_ms + own.draft_level_ms + own.prefill_draft_ms) > 0

@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 
 from models.eagle3 import Eagle3, Eagle3Config, target_features
 from tests.conftest import REPO, run_cli
+from tests.test_distill_data import compose_data
 from train import distill_data as dd
 from train import feature_cache as fc
 from utils.cli import CONF_DIR, UserError
@@ -25,13 +26,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def compose_corpus(tmp_path, *overrides: str):
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose("distill_data", overrides=[
-            "pair=tiny_random", f"out_root={tmp_path / 'out'}", f"seq_dir={tmp_path / 'seqs'}",
-            f"gen_prompts.path={tmp_path / 'gen.jsonl'}", "gen_prompts.self_instruct=3", "gen_prompts.translations=2",
-            "gen_prompts.max_new_tokens=6", "responses.max_new_tokens=6", "limit=6", "prompts_per_shard=2",
-            "batch_size=3", "topk=4", "progress=false", "sources=[mbpp]", "max_prompt_tokens=400",
-            "features.cache=true", *overrides])
+    return compose_data(tmp_path, "features.cache=true", *overrides, new_tokens=6)
 
 
 def compose_eagle(tmp_path, *overrides: str):
