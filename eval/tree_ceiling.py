@@ -2,12 +2,14 @@
 from the pair's measured acceptance-by-rank vector and cost profile (issue 30).
 
     python -m eval.tree_ceiling [pair=smollm2_135m] [prompts=24] [tokens=96] [max_rank=8] [max_nodes=32]
-        [out_dir=results/trees]
+        [draft=eagle3] [out_dir=results/trees]
 
 1. Acceptance by rank: the target's greedy continuation (decode.loop.autoregressive, `tokens` new tokens, stopping at
    EOS) of the first `prompts` prompts of the split, then one teacher-forced draft pass over prompt + continuation.
    At every continuation position, the 1-based rank of the target's token in the draft's logits (ties counted in its
    favour); a token outside a reduced (FR-Spec) draft vocabulary can never be drafted and counts as `beyond`.
+   With draft=eagle3 the draft is the pair's EAGLE-3 draft, ranked by a round's first call (`eagle_logits`) and
+   priced by its own draft curves (models.eagle3_pair.draft_profile).
    rank_vector[r-1] = P(rank = r) for r ≤ max_rank; `beyond` = the rest.
 2. Costs: the pair's measured profile (models.profiling.get_profile, the cache decode reads; measured when missing).
 3. Trees: models.tree_dp, position independence (a rank-r child is accepted with p_r given its parent was).
@@ -51,22 +53,42 @@ def check(cfg: DictConfig) -> None:
 
 
 @torch.inference_mode()
-def target_ranks(pair, prompt_ids: list[int], tokens: int) -> np.ndarray:
-    """Rank of each target greedy token in the draft's teacher-forced logits (0: outside the draft's support)."""
+def target_ranks(pair, prompt_ids: list[int], tokens: int, eagle=None) -> np.ndarray:
+    """Rank of each target greedy token in the draft's teacher-forced logits (0: outside the draft's support); with
+    `eagle` (an EAGLE-3 draft), in its first-step logits (`eagle_logits`)."""
     from decode.loop import autoregressive
     from models.lm import LM
 
     cont = autoregressive(pair, prompt_ids, tokens, eos=pair.eos_ids).tokens
-    draft = LM.of(pair, "draft")
-    logits, _ = draft(list(prompt_ids) + cont[:-1], draft.new_cache(), last=len(cont))
+    if eagle is not None:
+        logits = eagle_logits(pair, eagle, list(prompt_ids) + cont, len(cont))
+    else:
+        draft = LM.of(pair, "draft")
+        logits, _ = draft(list(prompt_ids) + cont[:-1], draft.new_cache(), last=len(cont))
     logits = logits.float()
     picked = logits.gather(1, torch.tensor(cont, device=logits.device)[:, None])
     ranks = 1 + (logits > picked).sum(1)
     return torch.where(torch.isneginf(picked[:, 0]), 0, ranks).cpu().numpy()
 
 
-def measure_ranks(pair, ids: list[list[int]], tokens: int) -> np.ndarray:
-    return np.concatenate([target_ranks(pair, x, tokens) for x in tqdm(ids, desc="ranks", unit="prompt")])
+def eagle_logits(pair, model, seq: list[int], n: int) -> torch.Tensor:
+    """An EAGLE-3 draft's logits (n, vocab; −inf off its subset) for the last n tokens of `seq`, each read as a
+    round's first draft call reads it: the target's features at the position two before it and the token between
+    (models.eagle3 forward_steps' row i scores token i + 2). A tree's first level; deeper levels read the draft's
+    own features, so the rank vector is step 1's (an upper bound for the levels below)."""
+    from models.eagle3 import target_features
+
+    x = torch.tensor([seq], device=pair.device)
+    feats = target_features(pair.target, x, None, model.cfg.layers).to(next(model.parameters()).dtype)
+    h = model.forward_steps(x, feats, 1)[0][0]  # (T − 1, H)
+    z = model.logits(h[len(seq) - n - 2 : len(seq) - 2]).float()
+    full = torch.full((n, pair.vocab_size), float("-inf"), device=z.device)
+    full[:, model.ids.to(z.device)] = z
+    return full
+
+
+def measure_ranks(pair, ids: list[list[int]], tokens: int, eagle=None) -> np.ndarray:
+    return np.concatenate([target_ranks(pair, x, tokens, eagle) for x in tqdm(ids, desc="ranks", unit="prompt")])
 
 
 def rank_vector(ranks: np.ndarray, max_rank: int) -> dict:
@@ -198,7 +220,18 @@ def about(cfg: DictConfig, pair) -> dict:
             "linear": pair.linear, "forward": pair.forwards, "threads": torch.get_num_threads(),
             "machine": machine(), "date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "dataset": str(cfg.dataset.name), "split": str(cfg.split), "prompts": int(cfg.prompts),
-            "tokens": int(cfg.tokens), "max_rank": int(cfg.max_rank), "max_nodes": int(cfg.max_nodes)}
+            "tokens": int(cfg.tokens), "max_rank": int(cfg.max_rank), "max_nodes": int(cfg.max_nodes),
+            "draft": str(cfg.get("draft", "student"))}
+
+
+def eagle_draft(pair, cfg: DictConfig):
+    """(the pair's EAGLE-3 draft, its weights' path) for draft=eagle3; one error line for another draft."""
+    if cfg.draft != "eagle3":
+        raise UserError(f"draft={cfg.draft}: eval.tree_ceiling measures the pair's own draft (draft=student) or its "
+                        "EAGLE-3 draft (draft=eagle3)")
+    from models.eagle3_pair import load_for_pair
+
+    return load_for_pair(pair, cfg.get("eagle3_weights"), None)
 
 
 @hydra_entry("tree_ceiling")
@@ -213,8 +246,14 @@ def main(cfg: DictConfig) -> dict:
 
     pair = load_pair(cfg.pair)
     ids = tokenize_prompts(pair, load_prompts(cfg.dataset, str(cfg.split), int(cfg.prompts)), int(cfg.tokens))
-    rv = rank_vector(measure_ranks(pair, ids, int(cfg.tokens)), int(cfg.max_rank))
+    eagle, weights = (None, None) if cfg.get("draft", "student") == "student" else eagle_draft(pair, cfg)
+    rv = rank_vector(measure_ranks(pair, ids, int(cfg.tokens), eagle), int(cfg.max_rank))
     prof = get_profile(pair, cfg.get("profile"))
+    if eagle is not None:  # its own draft curves, timed as decode runs it (models.eagle3_pair.draft_profile)
+        from models.eagle3_pair import draft_profile
+        from models.lm import LM
+
+        prof = draft_profile(eagle, weights, prof, LM.of(pair, "target"))
     res = {**about(cfg, pair), **rv, "profile": costs(prof, int(cfg.max_nodes)), **analyse(rv, prof, int(cfg.max_nodes))}
     out = output_dir(cfg.get("out_dir"))
     write_text_atomic(out / "ceiling.json", json.dumps(res, indent=1))

@@ -106,3 +106,32 @@ def test_carry_over_per_group(folders, tmp_path, monkeypatch):
     qa = range(10)
     assert groups["qa"]["ratio"] == pytest.approx(speed("learned", qa) / speed("svip", qa))
     assert groups["all"]["speedup"]["oracle"] == pytest.approx(speed("oracle", range(40)))
+
+
+def test_qwen_bar_gathers_a_scale_by_hand(folders, tmp_path):
+    """eval.qwen_bar: the best wall method's speedup and interval from the per-prompt rows, the heads' and trees'
+    replay ratios from their files, nulls and a `missing` line for runs not made, and the large scale's fields on top."""
+    from eval.qwen_bar import gather
+
+    _, wall, _, wrows = folders
+    summary = json.loads((wall / "summary.json").read_text())
+    summary["learned"].update({"measured_c": 0.04, "mean_accepted_length": 3.1})
+    (wall / "summary.json").write_text(json.dumps(summary))
+    heads, trees = tmp_path / "heads.json", tmp_path / "trees.json"
+    heads.write_text(json.dumps({"replay": {"ratio": 1.01, "ratio_ci": [1.0, 1.02], "prompts": 300}}))
+    trees.write_text(json.dumps({"best_tree_vs_chain": {"value": 1.2, "ci": [1.1, 1.3]}, "best_tree": "eagle2"}))
+    runs = {"pair": "big", "mbpp": str(wall), "humaneval": str(tmp_path / "none"), "heads": str(heads),
+            "trees": str(trees)}
+    cfg = OmegaConf.create({"large": runs, "small": {**runs, "pair": "small", "heads": None}, "n_resamples": 300})
+    res = gather(cfg)
+    tps = {m: sum(x["new_tokens"] for x in wrows if x["method"] == m) / sum(x["wall_s"] for x in wrows if x["method"] == m)
+           for m in ("learned", "target")}
+    big = res["scales"]["large"]["mbpp"]
+    assert big["method"] == "learned" and res["mbpp_best"] == 1.36 and big["prompts"] == 40
+    lo, hi = big["speedup_ci"]
+    assert lo < tps["learned"] / tps["target"] < hi and lo > 1.3  # 2.2 s against 3.0 s on every prompt
+    assert (res["c"], res["tau_best"], res["replay_prompts"], res["learned_vs_ev_replay"]) == (0.04, 3.1, 300, 1.01)
+    assert res["tree_vs_chain_replay"] == 1.2 and res["humaneval_best"] is None
+    assert res["scales"]["small"]["learned_vs_ev_replay"] is None
+    assert any(m.startswith("large humaneval") for m in res["missing"])
+    assert any(m.startswith("small heads") for m in res["missing"])

@@ -537,3 +537,32 @@ def test_eagle3_profile_times_its_calls_after_a_target_pass(tiny_pair):
     assert len(own.draft_ms) == len(prof.draft_ms) and len(own.draft_level_ms) == len(prof.draft_level_ms)
     assert len(own.prefill_draft_ms) == len(prof.prefill_draft_ms)
     assert own.draft_cold_ms > 0 and min(own.draft_ms + own.draft_level_ms + own.prefill_draft_ms) > 0
+
+
+def test_tree_ceiling_ranks_eagle3_by_its_first_draft_call(tiny_pair, trained, cli, tmp_path):
+    """eval.tree_ceiling draft=eagle3: its logits for a continuation token are a round's first draft call's (the
+    cached drafting step on the target's features two positions back, -inf off the subset), and the command writes
+    a ceiling for EAGLE-3 priced on its own draft curves."""
+    import json
+
+    from eval.tree_ceiling import eagle_logits
+
+    model = draft_for(tiny_pair)
+    seq = tiny_pair.tokenizer.encode("def add(a, b):\n    return a + b\nprint(add(1, 2))", add_special_tokens=False)
+    T, n = len(seq), 5
+    with torch.no_grad():
+        full = eagle_logits(tiny_pair, model, seq, n)
+        feats = target_features(tiny_pair, model, seq)
+        z = model.logits(model.step(torch.tensor(seq[1:]), model.fuse(feats[:-1]), model.new_cache()))
+    assert full.shape == (n, tiny_pair.vocab_size) and torch.isneginf(full).sum() == n * (tiny_pair.vocab_size - 60)
+    assert torch.allclose(full[:, model.ids], z[T - n - 2 : T - 2], atol=1e-5)
+    out = tmp_path / "ceiling"
+    r = cli("eval.tree_ceiling", "pair=tiny_random", "draft=eagle3", f"eagle3_weights={trained}", "prompts=2",
+            "tokens=8", "max_rank=4", "max_nodes=6", f"+pair.cache_dir={tmp_path}/cache", "profile.max_n=3",
+            "profile.repeats=1", "profile.warmup=0", "profile.context=16", "profile.prefill_lengths=[8]",
+            f"out_dir={out}", f"hydra.run.dir={tmp_path}/run")
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads((out / "ceiling.json").read_text())
+    assert res["draft"] == "eagle3" and sum(res["rank_vector"]) + res["beyond"] == pytest.approx(1.0)
+    bad = cli("eval.tree_ceiling", "pair=tiny_random", "draft=lookup", f"hydra.run.dir={tmp_path}/run2")
+    assert bad.returncode != 0 and "draft=lookup" in bad.stderr and "Traceback" not in bad.stderr

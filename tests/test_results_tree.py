@@ -30,6 +30,7 @@ WRITERS = [
                                                           "tune_prompts.jsonl", "tuned.json")),
     ("eval.replay", ("eval/replay.py", "eval/replay_report.py"), ("replay.json", "replay.md", "prompts.jsonl", "tuned.json", "replay_auroc.png")),
     ("eval.eagle_bar", ("eval/eagle_bar.py",), ("bar.json", "bar.md")),
+    ("eval.qwen_bar", ("eval/qwen_bar.py",), ("bar.json", "bar.md")),
     ("eval", ("eval/classifier.py",), ("report.json", "report.md", "roc.png", "pr.png", "reliability.png",
                                        "per_position_auroc.png", "per_continuation_position_auroc.png")),
     ("eval.collect", ("eval/collect.py",), ("collect.json", "collect.md", "collect.png")),
