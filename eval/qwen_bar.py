@@ -120,7 +120,7 @@ def markdown(res: dict) -> str:
             ("best tree ÷ best chain (replay)",
              lambda s: _fmt(s["tree_vs_chain_replay"], s["tree_vs_chain_ci"], "{:.3f}"))]
     large, small = res["scales"]["large"], res["scales"]["small"]
-    runs = [r for r in (large["mbpp"], small["mbpp"]) if r]
+    runs = [r for r in (small["mbpp"], large["mbpp"]) if r]
     lines = ["The two scales side by side (95% BCa intervals over prompts; each run's machine, dtype and date below).",
              "", f"| | {small['pair']} | {large['pair']} |", "|---|---|---|"]
     lines += [f"| {label} | {cell(small)} | {cell(large)} |" for label, cell in rows]

@@ -272,8 +272,9 @@ def run(cfg: DictConfig) -> dict:
     n_pos = positions(train)
     print(f"train.eagle: {len(train)} sequences, {n_pos:,} response positions; {len(held)} held out", flush=True)
     if n_pos < int(cfg.data.min_positions):
-        raise UserError(f"data.folders give {n_pos:,} training positions, fewer than data.min_positions="
-                        f"{cfg.data.min_positions}; add folders or lower data.min_positions")
+        where = "data.cache_dirs" if cfg.data.features == "cached" else "data.folders"
+        raise UserError(f"{where} give {n_pos:,} training positions (held-out prompts excluded), fewer than "
+                        f"data.min_positions={cfg.data.min_positions}; add data there or lower data.min_positions")
     pair = load_pair(cfg.pair)
     for p in pair.target.parameters():
         p.requires_grad_(False)
