@@ -25,7 +25,7 @@ from omegaconf import DictConfig
 
 from eval.bar import per_prompt
 from utils.cli import UserError, hydra_entry
-from utils.files import write_text_atomic
+from utils.files import write_report
 from utils.stats import bootstrap_ci
 
 
@@ -91,9 +91,7 @@ def main(cfg: DictConfig) -> None:
         raise UserError("pass the decode folder: drafters_bar.run=DIR (python -m decode 'drafters=[...]' out_dir=DIR)")
     folder = Path(str(c.run))
     res = compare(folder, str(c.reference), int(c.n_resamples))
-    write_text_atomic(folder / "drafters.json", json.dumps(res, indent=2))
-    write_text_atomic(folder / "drafters.md", markdown(res))
-    print(markdown(res))
+    print(write_report(folder, "drafters", res, markdown(res)))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from utils.cli import UserError, hydra_entry
-from utils.files import write_text_atomic
+from utils.files import read_json, write_report
 
 HEAD_KEYS = ("auroc_head", "auroc_max_q", "replay_learned_vs_ev", "replay_ci", "wall_learned_vs_ev")
 
@@ -44,9 +44,7 @@ def _best(summary: dict, drafter: str, tree: bool | None) -> str | None:
 
 
 def _summary(folder: Path | None) -> dict | None:
-    if folder is None or not (folder / "summary.json").is_file():
-        return None
-    return json.loads((folder / "summary.json").read_text())
+    return None if folder is None else read_json(folder / "summary.json")
 
 
 def mbpp_part(summary: dict) -> dict:
@@ -168,11 +166,7 @@ def main(cfg: DictConfig) -> None:
     if res["mbpp"]["student_best"] is None and res["specbench"]["student_best"] is None:
         raise UserError(f"no decode run at {c.mbpp} or {c.specbench}; run the commands in conf/study.yaml's "
                         "eagle section first")
-    out = Path(str(c.out))
-    out.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(out / "bar.json", json.dumps(res, indent=2))
-    write_text_atomic(out / "bar.md", markdown(res))
-    print(markdown(res))
+    print(write_report(Path(str(c.out)), "bar", res, markdown(res)))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ fastest method on the clock in that run. A field whose run is missing is null; `
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -27,18 +26,14 @@ from omegaconf import DictConfig
 
 from eval.bar import per_prompt
 from utils.cli import UserError, hydra_entry
-from utils.files import write_text_atomic
+from utils.files import read_json, write_report
 from utils.stats import bootstrap_ci
-
-
-def _json(path: Path | None) -> dict | None:
-    return json.loads(path.read_text()) if path is not None and path.is_file() else None
 
 
 def best_run(folder: Path | None, n_resamples: int = 4000) -> dict | None:
     """A decode folder's fastest method: its speedup with a 95% interval over prompts, c, mean accepted length,
     losslessness, and the run's machine, dtype and date; None when the folder holds no run."""
-    summary = _json(None if folder is None else folder / "summary.json")
+    summary = None if folder is None else read_json(folder / "summary.json")
     if summary is None:
         return None
     rows = {k: s for k, s in summary.items() if k != "target" and isinstance(s, dict) and "speedup" in s}
@@ -51,7 +46,7 @@ def best_run(folder: Path | None, n_resamples: int = 4000) -> dict | None:
         tps = {m: pp[m]["new_tokens"][idx].sum(-1) / pp[m]["wall_s"][idx].sum(-1) for m in (key, "target")}
         return np.stack([tps[key] / tps["target"]])
 
-    run = _json(folder / "run.json") or {}
+    run = read_json(folder / "run.json") or {}
     s = rows[key]
     return {"method": key, "speedup": s["speedup"], "speedup_ci": bootstrap_ci(len(ids), stat, n_resamples)[0],
             "prompts": len(ids), "c": s.get("measured_c"), "tau": s.get("mean_accepted_length"),
@@ -65,7 +60,7 @@ def scale(runs: DictConfig, n_resamples: int) -> dict:
         v = runs.get(key)
         return None if v in (None, "") else Path(str(v))
 
-    heads, trees = _json(path("heads")), _json(path("trees"))
+    heads, trees = (None if path(k) is None else read_json(path(k)) for k in ("heads", "trees"))
     replay = (heads or {}).get("replay") or {}
     tvc = (trees or {}).get("best_tree_vs_chain") or {}
     return {"pair": runs.get("pair"), "mbpp": best_run(path("mbpp"), n_resamples),
@@ -137,11 +132,7 @@ def main(cfg: DictConfig) -> None:
     res = gather(c)
     if res["scales"]["large"]["mbpp"] is None:
         raise UserError(f"no decode run at {c.large.mbpp}; run python -m decode +experiment=study/qwen_eagle first")
-    out = Path(str(c.out))
-    out.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(out / "bar.json", json.dumps(res, indent=2))
-    write_text_atomic(out / "bar.md", markdown(res))
-    print(markdown(res))
+    print(write_report(Path(str(c.out)), "bar", res, markdown(res)))
 
 
 if __name__ == "__main__":

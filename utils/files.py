@@ -56,6 +56,18 @@ def jsonl_text(rows, digits: int = 6) -> str:
     return "".join(json.dumps(short(r), separators=(",", ":")) + "\n" for r in rows)
 
 
+def write_report(folder: Path, stem: str, res: dict, markdown: str) -> str:
+    """`<stem>.json` (indent 2) and `<stem>.md` of a gathered result in `folder` (made if missing), each written
+    atomically; returns the markdown (the bars print it)."""
+    import json
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(folder / f"{stem}.json", json.dumps(res, indent=2))
+    write_text_atomic(folder / f"{stem}.md", markdown)
+    return markdown
+
+
 def json_text(obj, indent: int = 1) -> str:
     """`json.dumps(obj, indent=indent)` with each list of plain numbers on one line: a report's curves (eval's ROC
     and PR points) take one line per number otherwise, most of a report's size under results/."""
