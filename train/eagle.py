@@ -288,7 +288,7 @@ def run(cfg: DictConfig) -> dict:
     agree = agreement(draft, pair.target, heldout_batches(held, cfg, collate), steps=int(cfg.eval_steps))
     info = {"command": "python -m train.eagle " + " ".join(sys.argv[1:]), "pair": pair.pair_id,
             "data": {"features": str(cfg.data.get("features", "on_the_fly")),
-                     "folders": [str(f) for f in (cfg.data.folders if not caches else [f for f, _ in caches])],
+                     "folders": [str(f) for f in (cfg.data.cache_dirs if caches else cfg.data.folders)],  # as given
                      "sequences": len(train), "positions": n_pos, "heldout_sequences": len(held)},
             "steps": int(trainer.global_step), "ttt_steps": int(cfg.train.ttt_steps),
             "layers": list(draft.cfg.layers), "vocab_subset": len(draft.ids), "train_minutes": (time.time() - t0) / 60,
