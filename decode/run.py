@@ -115,7 +115,13 @@ def run_split(pair, prompts, methods: list[Method], profile, d: Decoding, desc: 
     tasks = sorted({r["task"] for r in rows if r.get("task")})
     by_task = {t: _summarize([r for r in rows if r.get("task") == t], methods, drafters, profile, d.greedy)
                for t in tasks} if len(tasks) > 1 else {}
-    return SplitResult(_summarize(rows, methods, drafters, profile, d.greedy), rows, by_task)
+    summary = _summarize(rows, methods, drafters, profile, d.greedy)
+    drift = summary["target"].get("profile_drift")
+    if drift is not None and abs(drift) > PROFILE_DRIFT:
+        print(f"warning: this run's target-only step is {100 * drift:+.0f}% off its cost profile's ({profile.date}): "
+              "the cost model's speedups and prices are stale — remeasure on an idle machine with "
+              "profile.refresh=true", flush=True)
+    return SplitResult(summary, rows, by_task)
 
 
 def _drafters(pair, methods: list[Method], profile) -> dict:
@@ -199,7 +205,23 @@ def _summarize(rows: list[dict], methods: list[Method], drafters: dict, profile,
                  drafter=m.drafter or "student")
         summary[m.key] = s
     summary["target"]["measured_c"] = c_of.get(None, next(iter(c_of.values()), float("nan")))
+    drift = profile_drift(target_rows, profile)
+    if drift is not None:
+        summary["target"]["profile_drift"] = drift
     return summary
+
+
+PROFILE_DRIFT = 0.15  # beyond timing noise: two back-to-back profiles of one machine agree within 0.07 (models.cost)
+
+
+def profile_drift(target_rows: list[dict], profile) -> float | None:
+    """This run's target-only step time ÷ its profile's target step − 1 (None without either). A profile timed in
+    a slow spell prices every call too dear: the 1.5B pair's first one (3 rounds) put the target step at 85 ms, the
+    decode run right after it at 62 (2-core EPYC, bf16, 2026-11-29), and eval.wall_gap found the gap only later."""
+    steps = sum(r["target_calls"] - 1 for r in target_rows)
+    if profile is None or not steps:
+        return None
+    return 1000 * sum(r["target_s"] for r in target_rows) / steps / float(profile.target_ms[0]) - 1
 
 
 @torch.inference_mode()

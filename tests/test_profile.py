@@ -58,6 +58,20 @@ def test_profile_is_measured_once_then_cached(tiny_pair, tmp_path, monkeypatch):
     assert again.target_ms == prof.target_ms
     with pytest.raises(pytest.fail.Exception):
         get_profile(tiny_pair, {**SMALL, "refresh": True})
+    assert get_profile(tiny_pair, {**SMALL, "repeats": 1}).target_ms == prof.target_ms  # fewer rounds: the cache serves
+    with pytest.raises(pytest.fail.Exception):  # more rounds than the cached profile was timed over: measured again
+        get_profile(tiny_pair, {**SMALL, "repeats": 3})
+
+
+def test_a_run_off_its_profile_says_so():
+    """decode.run.profile_drift: the run's target-only step (its decode steps after the prefill call) against the
+    profile's target step; none without a profile or steps."""
+    from decode.run import profile_drift
+
+    rows = [{"target_s": 0.012, "target_calls": 7}, {"target_s": 0.004, "target_calls": 3}]  # 16 ms over 8 steps
+    assert profile_drift(rows, flat_profile(0.1, [2.5] * 8)) == pytest.approx(2 / 2.5 - 1)
+    assert profile_drift(rows, None) is None and profile_drift([{"target_s": 0.0, "target_calls": 1}],
+                                                               flat_profile(0.1)) is None
 
 
 def test_a_profile_measured_under_load_says_so(tiny_pair, tmp_path, monkeypatch, capsys):
