@@ -258,6 +258,8 @@ def test_train_eagle_learns_resumes_and_decodes_losslessly(cli, tiny_responses, 
     second = json.loads(out.with_suffix(".train.json").read_text())
     assert second["steps"] == 60
     assert losses().iloc[-2:].mean() < start  # it learns, across the resume
+    kept = pd.read_csv(run / "csv" / "metrics-1.csv").dropna(subset=["train/loss"])["train/loss"]
+    assert kept.iloc[:2].mean() == start  # each invocation's curve kept: metrics-1.csv is the first's
     dec = tmp_path / "dec"
     r = cli("decode", "pair=tiny_random", "dataset=mbpp", "split=test", "limit=3", "max_new_tokens=24", "threads=1",
             "plots=false", "drafters=[eagle3,student]", "policies=[constant,svip]", f"drafter.eagle3.weights={out}",

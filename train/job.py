@@ -48,10 +48,23 @@ def quiet_lightning() -> None:
 # -------------------------------------------------------------------------------------------------------- logging
 
 
+def keep_earlier_csv(folder: Path) -> Path | None:
+    """Lightning's CSV logger starts metrics.csv afresh, so a resumed run (train.eagle's second invocation) or a rerun
+    in the same folder would lose the earlier curve: keep it as metrics-1.csv, metrics-2.csv, … (returned)."""
+    old = folder / "metrics.csv"
+    if not old.is_file():
+        return None
+    k = 1
+    while (folder / f"metrics-{k}.csv").exists():
+        k += 1
+    return old.rename(folder / f"metrics-{k}.csv")
+
+
 def make_loggers(cfg: DictConfig, run_dir: Path) -> list:
     """CSV always; W&B (offline by default, under the run dir) unless `logger=none`. W&B trouble never stops a run."""
     from lightning.pytorch.loggers import CSVLogger
 
+    keep_earlier_csv(run_dir / "csv")
     loggers = [CSVLogger(save_dir=str(run_dir), name="csv", version="")]
     wcfg = (cfg.get("logger") or {}).get("wandb")
     if not wcfg:
