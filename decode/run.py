@@ -178,8 +178,13 @@ def _measured_cost_ratio(rows: list[dict], target_rows: list[dict]) -> float:
     """Draft step time ÷ target step time from our loop's timed steps (transformers' loop exposes no split; a
     drafter without model calls, prompt lookup, counts each drafted token as a step)."""
     return metrics.measured_c(sum(r["draft_s"] for r in rows), sum(r["draft_calls"] or r["drafted"] for r in rows),
-                              sum(r["target_s"] for r in target_rows),
-                              sum(r["target_calls"] - 1 for r in target_rows))  # target_s excludes the prefill call
+                              *target_steps(target_rows))
+
+
+def target_steps(target_rows: list[dict]) -> tuple[float, int]:
+    """Target-only's decode steps after its prefill call (target_s excludes that call): (seconds, steps), the unit
+    both c and `profile_drift` divide by."""
+    return sum(r["target_s"] for r in target_rows), sum(r["target_calls"] - 1 for r in target_rows)
 
 
 def _summarize(rows: list[dict], methods: list[Method], drafters: dict, profile, greedy: bool) -> dict:
@@ -218,10 +223,10 @@ def profile_drift(target_rows: list[dict], profile) -> float | None:
     """This run's target-only step time ÷ its profile's target step − 1 (None without either). A profile timed in
     a slow spell prices every call too dear: the 1.5B pair's first one (3 rounds) put the target step at 85 ms, the
     decode run right after it at 62 (2-core EPYC, bf16, 2026-11-29), and eval.wall_gap found the gap only later."""
-    steps = sum(r["target_calls"] - 1 for r in target_rows)
+    seconds, steps = target_steps(target_rows)
     if profile is None or not steps:
         return None
-    return 1000 * sum(r["target_s"] for r in target_rows) / steps / float(profile.target_ms[0]) - 1
+    return 1000 * seconds / steps / float(profile.target_ms[0]) - 1
 
 
 @torch.inference_mode()

@@ -107,7 +107,7 @@ def gather(mbpp: Path | None, specbench: Path | None, heads: Path | None) -> dic
         out["prompts"] = next((v["n_prompts"] for v in s.values() if isinstance(v, dict) and "n_prompts" in v), None)
         speed = {k: (s.get(f"eagle3/{k}") or {}).get("speedup") for k in ("eagle2", "eagle2_svip")}
         out["svip_eagle2"] = {"eagle2": speed["eagle2"], "svip_eagle2": speed["eagle2_svip"]}
-        run = json.loads((mbpp / "run.json").read_text()) if (mbpp / "run.json").is_file() else {}
+        run = read_json(mbpp / "run.json") or {}
         out["machine"], out["dtype"], out["date"] = run.get("machine"), run.get("dtype"), run.get("date")
     s = _summary(specbench)
     if s is None:
