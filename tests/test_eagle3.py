@@ -284,6 +284,34 @@ def test_train_eagle_learns_resumes_and_decodes_losslessly(cli, tiny_responses, 
     assert r.returncode == 2 and "no run.json" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_train_eagle_starts_from_a_saved_draft(cli, tiny_responses, trained, tmp_path):
+    """init= begins a new run from a saved draft: at a zero learning rate its held-out agreement is the saved one's
+    (up to the bf16 rounding of the saved weights), far above a fresh draft's; a draft of other layers is refused in
+    one line, as is a missing file."""
+    import json
+
+    args = ["train.eagle", "pair=tiny_random", f"data.folders=[{tiny_responses}]", "data.min_positions=100",
+            "train.batch_tokens=600", "train.warmup_steps=1", "train.lr=0", "data.heldout_pct=20", "threads=1",
+            "train.max_steps=1"]
+    out = tmp_path / "w.safetensors"
+    r = cli(*args, f"run_dir={tmp_path / 'run'}", f"out={out}", f"init={trained}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    info = json.loads(out.with_suffix(".train.json").read_text())
+    saved = json.loads(trained.with_suffix(".train.json").read_text())
+    assert info["init"] == str(trained) and info["steps"] == 1
+    got, want = info["heldout_top1_agreement_by_step"]["all"], saved["heldout_top1_agreement_by_step"]["all"]
+    assert abs(got[0] - want[0]) < 0.02
+    r = cli(*args, f"run_dir={tmp_path / 'run0'}", f"out={tmp_path / 'fresh.safetensors'}")
+    fresh = json.loads((tmp_path / "fresh.train.json").read_text())["heldout_top1_agreement_by_step"]["all"]
+    assert fresh[0] < got[0] / 2 and fresh[1] < got[1] / 2
+    r = cli(*args, f"run_dir={tmp_path / 'run2'}", f"out={tmp_path / 'x.safetensors'}", f"init={trained}",
+            "model.layers=[1,1,1]")
+    assert r.returncode != 0 and "init=" in r.stderr and "layers" in r.stderr and "Traceback" not in r.stderr
+    r = cli(*args, f"run_dir={tmp_path / 'run3'}", f"out={tmp_path / 'y.safetensors'}", f"init={tmp_path / 'no'}")
+    assert r.returncode != 0 and "no such EAGLE-3 weights" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "x.safetensors").exists() and not (tmp_path / "y.safetensors").exists()
+
+
 def test_resumed_batches_go_on_where_the_steps_left_off():
     """The data position is a function of the optimizer steps alone: a run restored at step k iterates the batches an
     uninterrupted run would from step k on, across epoch boundaries (Lightning restores a run stopped by its time

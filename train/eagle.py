@@ -251,6 +251,23 @@ def heldout_batches(held: list[dict], cfg: DictConfig, collate) -> list[dict]:
     return [collate(rows[i : i + size]) for i in range(0, len(rows), size)]
 
 
+def warm_start(draft, path: Path, target) -> None:
+    """Begin from a saved draft (`init=`): a longer run on a grown corpus keeps what the first one learned, with an
+    optimizer and LR schedule of its own (a resume would skip the new data's first batches and restart the cosine
+    mid-curve). The saved draft must read the same layers through the same reduced vocabulary."""
+    from models.eagle3 import Eagle3
+
+    if not path.is_file():
+        raise UserError(f"init={path}: no such EAGLE-3 weights file; give a draft python -m train.eagle wrote")
+    src = Eagle3.load(path, target)
+    if tuple(src.cfg.layers) != tuple(draft.cfg.layers) or not torch.equal(src.ids.cpu(), draft.ids.cpu()):
+        raise UserError(f"init={path} reads layers {list(src.cfg.layers)} through a {len(src.ids)}-token vocabulary; "
+                        f"this run's draft reads {list(draft.cfg.layers)} through {len(draft.ids)}: give model.layers "
+                        "and the pair's eagle3.vocab_freq it was trained with")
+    draft.load_state_dict({k: v.to(draft.ids.device) for k, v in src.state_dict().items()})
+    print(f"train.eagle: starting from {path}", flush=True)
+
+
 def check_layers(folder: Path, spec: dict, draft) -> None:
     """A cache serves a draft only at the layers and hidden size it reads."""
     if list(spec["layers"]) != list(draft.cfg.layers) or int(spec["hidden"]) != draft.cfg.hidden:
@@ -280,6 +297,8 @@ def run(cfg: DictConfig) -> dict:
         p.requires_grad_(False)
     run_dir = Path(str(cfg.run_dir))
     draft = Eagle3.from_target(pair.target, subset_ids(pair), cfg.model.get("layers")).float().to(pair.device)
+    if cfg.get("init"):
+        warm_start(draft, Path(str(cfg.init)), pair.target)
     for folder, spec in caches:
         check_layers(folder, spec, draft)
     collate = make_collate(cfg, pair)
@@ -290,6 +309,7 @@ def run(cfg: DictConfig) -> dict:
             "data": {"features": str(cfg.data.get("features", "on_the_fly")),
                      "folders": [str(f) for f in (cfg.data.cache_dirs if caches else cfg.data.folders)],  # as given
                      "sequences": len(train), "positions": n_pos, "heldout_sequences": len(held)},
+            "init": str(cfg.init) if cfg.get("init") else None,
             "steps": int(trainer.global_step), "ttt_steps": int(cfg.train.ttt_steps),
             "layers": list(draft.cfg.layers), "vocab_subset": len(draft.ids), "train_minutes": (time.time() - t0) / 60,
             "heldout_top1_agreement_by_step": agree,
