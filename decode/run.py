@@ -207,13 +207,27 @@ def _summarize(rows: list[dict], methods: list[Method], drafters: dict, profile,
             s["own_profile"] = own_profile.drafter_parts()
         s.update(oracle=bool(getattr(pol, "oracle", False)), approximate=_approx(dr), params=pol.describe(),
                  measured_c=c_of.get(m.drafter, float("nan")), external=bool(getattr(pol, "external", False)),
-                 drafter=m.drafter or "student")
+                 drafter=m.drafter or "student", **weights_record(dr))
         summary[m.key] = s
     summary["target"]["measured_c"] = c_of.get(None, next(iter(c_of.values()), float("nan")))
     drift = profile_drift(target_rows, profile)
     if drift is not None:
         summary["target"]["profile_drift"] = drift
     return summary
+
+
+def weights_record(drafter) -> dict:
+    """{"draft_weights": {path, fingerprint}} for a drafter that read a weights file of its own (EAGLE-3's): what
+    a row was decoded with is the file's content, not a path that a longer training run may overwrite."""
+    from pathlib import Path
+
+    from models.pair import REPO_ROOT, file_fingerprint
+
+    path = Path(str(getattr(drafter, "weights", None) or ""))
+    if not getattr(drafter, "weights", None) or not path.is_file():
+        return {}
+    shown = path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path
+    return {"draft_weights": {"path": str(shown), "fingerprint": file_fingerprint(path)}}
 
 
 PROFILE_DRIFT = 0.15  # beyond timing noise: two back-to-back profiles of one machine agree within 0.07 (models.cost)

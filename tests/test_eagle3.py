@@ -268,6 +268,10 @@ def test_train_eagle_learns_resumes_and_decodes_losslessly(cli, tiny_responses, 
     summary = json.loads((dec / "summary.json").read_text())
     assert all(summary[k]["lossless"] is True for k in ("eagle3/constant", "eagle3/svip"))
     assert summary["eagle3/constant"]["acceptance_rate"] > 0
+    from models.pair import file_fingerprint  # which draft decoded a row: the weights' content, recorded per method
+
+    assert summary["eagle3/svip"]["draft_weights"] == {"path": str(out), "fingerprint": file_fingerprint(out)}
+    assert "draft_weights" not in summary["student/constant"]
     assert summary["eagle3/constant"]["measured_c"] != summary["student/constant"]["measured_c"]
     r = cli("eval.wall_gap", str(dec))  # the run's wall clock against its cost model, by part
     assert r.returncode == 0, r.stderr[-2000:]
