@@ -51,7 +51,8 @@ def best_run(folder: Path | None, n_resamples: int = 4000) -> dict | None:
     return {"method": key, "speedup": s["speedup"], "speedup_ci": bootstrap_ci(len(ids), stat, n_resamples)[0],
             "prompts": len(ids), "c": s.get("measured_c"), "tau": s.get("mean_accepted_length"),
             "lossless": s.get("lossless"), "lossless_up_to_ties": s.get("lossless_up_to_ties"),
-            "machine": run.get("machine"), "dtype": run.get("dtype"), "date": run.get("date")}
+            "machine": run.get("machine"), "dtype": run.get("dtype"), "date": run.get("date"),
+            "draft": (s.get("draft_weights") or {}).get("fingerprint")}  # which weights file, by content
 
 
 def scale(runs: DictConfig, n_resamples: int) -> dict:
@@ -120,7 +121,7 @@ def markdown(res: dict) -> str:
              "", f"| | {small['pair']} | {large['pair']} |", "|---|---|---|"]
     lines += [f"| {label} | {cell(small)} | {cell(large)} |" for label, cell in rows]
     lines += ["", "MBPP runs: " + "; ".join(f"{r['prompts']} prompts, {r['machine']}, {r['dtype']}, {r['date']}"
-                                             for r in runs)]
+                                             + (f", draft {r['draft']}" if r.get("draft") else "") for r in runs)]
     if res["missing"]:
         lines += ["", "Missing: " + "; ".join(res["missing"])]
     return "\n".join(lines) + "\n"

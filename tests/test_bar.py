@@ -115,7 +115,8 @@ def test_qwen_bar_gathers_a_scale_by_hand(folders, tmp_path):
 
     _, wall, _, wrows = folders
     summary = json.loads((wall / "summary.json").read_text())
-    summary["learned"].update({"measured_c": 0.04, "mean_accepted_length": 3.1})
+    summary["learned"].update({"measured_c": 0.04, "mean_accepted_length": 3.1,
+                               "draft_weights": {"path": "w.safetensors", "fingerprint": "0123abcd"}})
     (wall / "summary.json").write_text(json.dumps(summary))
     heads, trees = tmp_path / "heads.json", tmp_path / "trees.json"
     heads.write_text(json.dumps({"replay": {"ratio": 1.01, "ratio_ci": [1.0, 1.02], "prompts": 300}}))
@@ -128,6 +129,7 @@ def test_qwen_bar_gathers_a_scale_by_hand(folders, tmp_path):
            for m in ("learned", "target")}
     big = res["scales"]["large"]["mbpp"]
     assert big["method"] == "learned" and res["mbpp_best"] == 1.36 and big["prompts"] == 40
+    assert big["draft"] == "0123abcd"  # which weights decoded it, by content
     lo, hi = big["speedup_ci"]
     assert lo < tps["learned"] / tps["target"] < hi and lo > 1.3  # 2.2 s against 3.0 s on every prompt
     assert (res["c"], res["tau_best"], res["replay_prompts"], res["learned_vs_ev_replay"]) == (0.04, 3.1, 300, 1.01)
