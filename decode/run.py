@@ -223,9 +223,10 @@ def weights_record(drafter) -> dict:
 
     from models.pair import REPO_ROOT, file_fingerprint
 
-    path = Path(str(getattr(drafter, "weights", None) or ""))
-    if not getattr(drafter, "weights", None) or not path.is_file():
+    weights = getattr(drafter, "weights", None)
+    if not weights or not Path(weights).is_file():
         return {}
+    path = Path(weights)
     shown = path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path
     return {"draft_weights": {"path": str(shown), "fingerprint": file_fingerprint(path)}}
 
