@@ -1,7 +1,9 @@
 """Whether a results folder is older than what made it: the pair settings its files record (`records`), compared
-with today's defaults of that pair (`stale_reasons`), and, for files that record no draft fingerprint, whether git
-last committed them before today's draft weights (`older_than_draft`). eval.study prints the verdict per section
-(`stale_line`); a section is anything with `folder`, `only` and `commands` (eval.study.Section)."""
+with today's defaults of that pair (`stale_reasons`); for files that record no draft fingerprint, whether git last
+committed them before today's draft weights (`older_than_draft`); for sections drafting with the pair's EAGLE-3
+draft, whether they were made with today's one (`older_than_eagle3`); and whether a section reads another's stale
+folder (`read_sections`). eval.study prints the verdict per section (`stale_line`); a section is anything with
+`folder`, `only` and `commands` (eval.study.Section)."""
 
 from __future__ import annotations
 
@@ -154,13 +156,79 @@ def older_than_draft(results: Path, sec, recs: list[dict]) -> str:
     return f"an earlier draft (its files predate today's {weights} and record no draft fingerprint)"
 
 
-def stale_line(results: Path, sec) -> str:
-    """The visible stale line of a section ('' when every record matches today's defaults)."""
+EAGLE3_COMMAND = re.compile(r"eagle3|trace=eagle_")  # drafters=[..eagle3..], +experiment=*_eagle3*, eagle traces
+
+
+def _command_pair(commands) -> str | None:
+    pairs = {m for c in commands for m in re.findall(r"\bpair=([\w.]+)", c)}
+    return pairs.pop() if len(pairs) == 1 else None
+
+
+def eagle3_today(pair: str) -> tuple[str, str | None, int | None] | None:
+    """The pair's EAGLE-3 draft today: (weights path, content fingerprint, commit time of its shipping). The
+    fingerprint is the file's, or where the file is not built (the 1.5B draft is gitignored) the one its committed
+    .train.json records; the commit time is the weights' or, for untracked weights, the .train.json's. None for a
+    pair without `eagle3.weights`."""
+    from models.pair import file_fingerprint
+
+    weights = ((pair_defaults(pair) or {}).get("eagle3") or {}).get("weights")
+    if not weights:
+        return None
+    path, record = Path(REPO) / weights, (Path(REPO) / weights).with_suffix(".train.json")
+    fingerprint = file_fingerprint(path) if path.is_file() else None
+    if fingerprint is None and record.is_file():
+        fingerprint = json.loads(record.read_text()).get("fingerprint")
+    return weights, fingerprint, _committed_at(path) or (_committed_at(record) if record.is_file() else None)
+
+
+def older_than_eagle3(results: Path, sec, recs: list[dict]) -> str:
+    """A reason when a section that drafts with its pair's EAGLE-3 draft was made with another one: decode rows
+    record the weights' fingerprint (`draft_weights`), compared with today's; files that record none (traces'
+    replays, heads, ceilings, and runs from before the record) are stale when git last committed them before
+    today's draft shipped. '' for sections without EAGLE-3, or whose commands name other EAGLE-3 weights."""
+    if not any(EAGLE3_COMMAND.search(c) for c in sec.commands) or any("eagle3.weights=" in c for c in sec.commands):
+        return ""
+    pair = next((str(r["pair"]) for r in recs if r.get("pair")), None) or _command_pair(sec.commands)
+    today = eagle3_today(pair or default_pair())
+    if today is None:
+        return ""
+    weights, fingerprint, shipped = today
+    d = results / sec.folder
+    summary = d / "summary.json"
+    rows = json.loads(summary.read_text()).values() if summary.is_file() and not sec.only else []
+    seen = {r["draft_weights"]["fingerprint"] for r in rows if isinstance(r, dict) and r.get("draft_weights")}
+    if seen and fingerprint:
+        old = sorted(seen - {fingerprint})
+        return f"EAGLE-3 draft {', '.join(old)} (today {fingerprint}, {weights})" if old else ""
+    files = [d / f for f in sec.only if f.endswith(".json")] if sec.only else sorted(d.glob("*.json"))
+    made = [t for t in (_committed_at(f) for f in files if f.is_file()) if t is not None]
+    if shipped is None or not made or min(made) >= shipped:
+        return ""
+    return f"an earlier EAGLE-3 draft (its files predate today's {weights})"
+
+
+def read_sections(sec, sections) -> list:
+    """The other sections whose folders this section's commands read (`bar.replay=results/eagle/replay_mbpp`,
+    `tuned=results/x/tuned.json`): for each path the deepest section folder holding it."""
+    out = []
+    for path in {m.rstrip("/.") for c in sec.commands for m in re.findall(r"\bresults/([\w./-]+)", c)}:
+        holders = [s for s in sections if s.folder != sec.folder and not s.only
+                   and (path == s.folder or path.startswith(s.folder + "/"))]
+        if holders and not path.startswith(sec.folder + "/"):
+            deepest = max(holders, key=lambda s: len(s.folder))
+            out += [deepest] if deepest not in out else []
+    return out
+
+
+def stale_line(results: Path, sec, sections=()) -> str:
+    """The visible stale line of a section ('' when every record matches today's defaults). With the study's
+    `sections`, a section built from another section's stale files (a bar over a stale replay) is stale too."""
     reasons: list[str] = []
     recs = records(results, sec)
     for rec in recs:
         reasons += [r for r in stale_reasons(rec, command_overrides(sec.commands)) if r not in reasons]
-    earlier = older_than_draft(results, sec, recs)
-    if earlier:
-        reasons.append(earlier)
+    reasons += [r for r in (older_than_draft(results, sec, recs), older_than_eagle3(results, sec, recs)) if r]
+    if not reasons:
+        stale_inputs = [s.folder for s in read_sections(sec, sections) if stale_line(results, s)]
+        reasons += [f"the stale files of {', '.join(sorted(stale_inputs))}"] if stale_inputs else []
     return f"**Stale:** made with {', '.join(reasons)}. Rerun its command to refresh it." if reasons else ""

@@ -242,7 +242,7 @@ def _section(results: Path, sec: Section, study: Study) -> list[str]:
         return lines + ["Not run yet.", ""]
     recs = sorted(records(results, sec), key=lambda r: not r.get("machine"))
     lines += [f"Settings: {_settings(recs[0]) if recs else 'not recorded in these files'}", ""]
-    stale = stale_line(results, sec)
+    stale = stale_line(results, sec, study.sections)
     if stale:
         lines += [stale, ""]
     if not sec.only and (d / "tuned.json").is_file() and (d / "run.json").is_file():

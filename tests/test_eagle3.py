@@ -271,6 +271,7 @@ def test_train_eagle_learns_resumes_and_decodes_losslessly(cli, tiny_responses, 
     from models.pair import file_fingerprint  # which draft decoded a row: the weights' content, recorded per method
 
     assert summary["eagle3/svip"]["draft_weights"] == {"path": str(out), "fingerprint": file_fingerprint(out)}
+    assert second["fingerprint"] == file_fingerprint(out)  # the json names its weights, built or not
     assert "draft_weights" not in summary["student/constant"]
     assert summary["eagle3/constant"]["measured_c"] != summary["student/constant"]["measured_c"]
     r = cli("eval.wall_gap", str(dec))  # the run's wall clock against its cost model, by part

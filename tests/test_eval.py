@@ -251,6 +251,55 @@ def test_study_marks_files_committed_before_the_draft(tmp_path, monkeypatch):
     assert study_mod.older_than_draft(results, old, []) == ""
 
 
+def test_study_marks_sections_made_with_another_eagle3_draft(tmp_path, monkeypatch):
+    """eval.staleness: a section drafting with its pair's EAGLE-3 draft is stale when its decode rows record other
+    weights than today's (the file's fingerprint, or its committed .train.json's where the weights are not built),
+    or, recording none, when git last committed its files before the draft shipped; a section built from a stale
+    section's folder is stale too."""
+    import subprocess
+    import time
+
+    import eval.staleness as study_mod
+    from eval.study import Section
+
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", *args], check=True,
+                       capture_output=True)
+
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "decode.yaml").write_text("defaults:\n  - pair: p\n")
+    monkeypatch.setattr(study_mod, "REPO", tmp_path)
+    monkeypatch.setattr(study_mod, "pair_defaults", lambda name: {"eagle3": {"weights": "e.safetensors"}})
+    results = tmp_path / "results"
+    for d in ("traced", "decoded"):
+        (results / d).mkdir(parents=True)
+    (results / "traced" / "replay.json").write_text("{}")
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-q", "-m", "a replay")
+    (tmp_path / "e.train.json").write_text('{"fingerprint": "today"}')
+    time.sleep(1.1)  # commit times have 1 s resolution
+    git("add", "-A")
+    git("commit", "-q", "-m", "the draft's record")
+    traced = Section("traced", "", ("python -m data_gen trace=eagle_chain",))
+    assert "an earlier EAGLE-3 draft" in study_mod.older_than_eagle3(results, traced, [])
+    assert study_mod.older_than_eagle3(results, Section("traced", "", ("python -m decode",)), []) == ""
+    mine = Section("traced", "", ("python -m decode drafters=[eagle3] drafter.eagle3.weights=x",))
+    assert study_mod.older_than_eagle3(results, mine, []) == ""
+    decoded = Section("decoded", "", ("python -m decode 'drafters=[eagle3]'",))
+    rows = {"target": {}, "eagle3/svip": {"draft_weights": {"path": "e.safetensors", "fingerprint": "today"}}}
+    (results / "decoded" / "summary.json").write_text(json.dumps(rows))
+    assert study_mod.older_than_eagle3(results, decoded, []) == ""  # today's, by the .train.json's record
+    (tmp_path / "e.safetensors").write_text("weights built here")  # now the file's own fingerprint counts
+    assert "EAGLE-3 draft today (today " in study_mod.older_than_eagle3(results, decoded, [])
+    bar = Section("bar", "", ("python -m eval.bar bar.replay=results/traced bar.out=results/bar/bar.json",))
+    (results / "bar").mkdir()
+    (results / "bar" / "bar.json").write_text("{}")
+    assert study_mod.read_sections(bar, (traced, decoded, bar)) == [traced]
+    assert "the stale files of traced" in study_mod.stale_line(results, bar, (traced, decoded, bar))
+    assert study_mod.stale_line(results, bar) == ""
+
+
 def test_study_owner_of_a_results_file():
     """Each file under results/ belongs to the deepest section folder above it; `only` sections claim their files."""
     from eval.study import Section, Study, owner

@@ -278,7 +278,7 @@ def check_layers(folder: Path, spec: dict, draft) -> None:
 
 def run(cfg: DictConfig) -> dict:
     from models.eagle3 import Eagle3
-    from models.pair import load_pair
+    from models.pair import file_fingerprint, load_pair
     from train.eagle_module import agreement
 
     torch.manual_seed(int(cfg.seed))
@@ -316,7 +316,9 @@ def run(cfg: DictConfig) -> dict:
             "config": OmegaConf.to_container(cfg.train, resolve=True)}
     out = Path(str(cfg.out))
     draft.save(out, info)
-    out.with_suffix(".train.json").write_text(json.dumps(info, indent=1))
+    # the file's content fingerprint (decode rows record the same as `draft_weights`): eval.staleness tells which
+    # draft made a result from this json even where the weights themselves are gitignored and not built
+    out.with_suffix(".train.json").write_text(json.dumps({**info, "fingerprint": file_fingerprint(out)}, indent=1))
     print(json.dumps({"out": str(out), "heldout_top1_agreement_by_step": agree}, indent=1))
     return info
 
