@@ -137,6 +137,15 @@ def _draft_committed_at(repo: Path, weights: str) -> int | None:
     return _committed_at(repo / weights)
 
 
+def _committed_before(results: Path, sec, when: int | None) -> bool:
+    """Whether git last committed some of the section's json files before `when` (False without `when`, or when
+    none of them is committed unchanged)."""
+    d = results / sec.folder
+    files = [d / f for f in sec.only if f.endswith(".json")] if sec.only else sorted(d.glob("*.json"))
+    made = [t for t in (_committed_at(f) for f in files if f.is_file()) if t is not None]
+    return when is not None and bool(made) and min(made) < when
+
+
 def older_than_draft(results: Path, sec, recs: list[dict]) -> str:
     """A reason when the section's files record no draft fingerprint and were last committed before today's draft
     weights of the default pair were: made with an earlier draft. '' when its records name the draft by content
@@ -148,10 +157,7 @@ def older_than_draft(results: Path, sec, recs: list[dict]) -> str:
         return ""
     weights = ((pair_defaults(pair) or {}).get("draft") or {}).get("weights")
     draft_at = _draft_committed_at(Path(REPO), weights) if weights else None
-    d = results / sec.folder
-    files = [d / f for f in sec.only if f.endswith(".json")] if sec.only else sorted(d.glob("*.json"))
-    made = [t for t in (_committed_at(f) for f in files if f.is_file()) if t is not None]
-    if draft_at is None or not made or min(made) >= draft_at:
+    if not _committed_before(results, sec, draft_at):
         return ""
     return f"an earlier draft (its files predate today's {weights} and record no draft fingerprint)"
 
@@ -193,16 +199,13 @@ def older_than_eagle3(results: Path, sec, recs: list[dict]) -> str:
     if today is None:
         return ""
     weights, fingerprint, shipped = today
-    d = results / sec.folder
-    summary = d / "summary.json"
+    summary = results / sec.folder / "summary.json"
     rows = json.loads(summary.read_text()).values() if summary.is_file() and not sec.only else []
     seen = {r["draft_weights"]["fingerprint"] for r in rows if isinstance(r, dict) and r.get("draft_weights")}
     if seen and fingerprint:
         old = sorted(seen - {fingerprint})
         return f"EAGLE-3 draft {', '.join(old)} (today {fingerprint}, {weights})" if old else ""
-    files = [d / f for f in sec.only if f.endswith(".json")] if sec.only else sorted(d.glob("*.json"))
-    made = [t for t in (_committed_at(f) for f in files if f.is_file()) if t is not None]
-    if shipped is None or not made or min(made) >= shipped:
+    if not _committed_before(results, sec, shipped):
         return ""
     return f"an earlier EAGLE-3 draft (its files predate today's {weights})"
 
