@@ -2,13 +2,15 @@
 as results/eagle/bar.json (and bar.md). "Best" is the fastest method on the clock in that run.
 
     python -m eval.eagle_bar [eagle_bar.mbpp=results/eagle/mbpp] [eagle_bar.specbench=results/eagle/specbench]
-                             [eagle_bar.heads=PATH]
+                             [eagle_bar.heads=PATH] [eagle_bar.avx2=results/eagle/avx2]
 
 - `mbpp`: one `python -m decode 'drafters=[student,eagle3,lookup]'` run with chain policies, tree builders and
   `eagle2_svip` (the study's command): each drafter's best chain method and EAGLE-3's best tree, their measured c and
   mean accepted length, and EAGLE-2's tree on EAGLE-3 with and without SVIP deciding its depth.
 - `specbench`: the same run on Spec-Bench (tasks in prompts.jsonl): best student and EAGLE-3 methods pooled, and
   the EAGLE-3 best method's speedup on its worst task.
+- `avx2`: the MBPP run with torch's kernels capped at AVX2 (an AVX2-only CPU emulated, float32): the best student and
+  EAGLE-3 methods, their ratio (the issue's bar there: 1.25) and c; absent: the field is null.
 - `heads`: `python -m eval.bar`'s bar.json on EAGLE-3's traces and wall run (results/eagle/heads/bar.json): the
   best head against the best training-free policy, replayed and on the clock, and AUROCs; absent: those stay null.
 
@@ -94,7 +96,23 @@ def heads_part(bar: dict) -> dict:
                         "wall": [wall.get("best_learned"), wall.get("best_training_free")]}}
 
 
-def gather(mbpp: Path | None, specbench: Path | None, heads: Path | None) -> dict:
+def avx2_part(folder: Path | None) -> dict | None:
+    """The best student and EAGLE-3 methods of the run with the kernels capped at AVX2, their ratio, c and the
+    machine string that names the cap; None without the run."""
+    s = _summary(folder)
+    if s is None:
+        return None
+    student, eagle = _best(s, "student", None), _best(s, "eagle3", None)
+    if student is None or eagle is None:
+        raise UserError(f"{folder} has no student and eagle3 rows; rerun it with 'drafters=[student,eagle3]'")
+    run = read_json(folder / "run.json") or {}
+    return {"student_best": s[student]["speedup"], "eagle_best": s[eagle]["speedup"],
+            "ratio": s[eagle]["speedup"] / s[student]["speedup"], "c_student": s[student].get("measured_c"),
+            "c_eagle": s[eagle].get("measured_c"), "methods": {"student": student, "eagle": eagle},
+            "machine": run.get("machine"), "dtype": run.get("dtype"), "date": run.get("date")}
+
+
+def gather(mbpp: Path | None, specbench: Path | None, heads: Path | None, avx2: Path | None = None) -> dict:
     out, missing = {"prompts": None}, []
     s = _summary(mbpp)
     if s is None:
@@ -121,6 +139,7 @@ def gather(mbpp: Path | None, specbench: Path | None, heads: Path | None) -> dic
         missing.append(f"heads: python -m eval.bar bar.replay=results/eagle/replay_mbpp bar.wall=results/eagle/wall_mbpp "
                        f"bar.out={heads}")
         out["heads"] = dict.fromkeys(HEAD_KEYS)
+    out["avx2"] = avx2_part(avx2)
     out["missing"] = missing
     return out
 
@@ -150,6 +169,11 @@ def markdown(res: dict) -> str:
         lines += ["", f"Stop heads on EAGLE-3's traces: the best head ÷ the best training-free policy {h['replay_learned_vs_ev']:.3f} "
                   f"[{lo:.3f}, {hi:.3f}] in the replay, {h['wall_learned_vs_ev']:.3f} on the clock; AUROC "
                   f"{h['auroc_head']:.3f} (max q {h['auroc_max_q']:.3f})."]
+    a = res.get("avx2")
+    if a:
+        lines += ["", f"Kernels capped at AVX2 ({a['dtype']}; {a['machine']}): EAGLE-3 {a['eagle_best']:.2f}× against "
+                  f"the student's {a['student_best']:.2f}×, ratio {a['ratio']:.3f}; c {a['c_eagle']:.3f} against "
+                  f"{a['c_student']:.3f}."]
     if res["missing"]:
         lines += ["", "Missing: " + "; ".join(res["missing"])]
     return "\n".join(lines) + "\n"
@@ -162,7 +186,7 @@ def main(cfg: DictConfig) -> None:
     def path(v):
         return None if v in (None, "") else Path(str(v))
 
-    res = gather(path(c.mbpp), path(c.specbench), path(c.get("heads")))
+    res = gather(path(c.mbpp), path(c.specbench), path(c.get("heads")), path(c.get("avx2")))
     if res["mbpp"]["student_best"] is None and res["specbench"]["student_best"] is None:
         raise UserError(f"no decode run at {c.mbpp} or {c.specbench}; run the commands in conf/study.yaml's "
                         "eagle section first")

@@ -74,6 +74,11 @@ def machine() -> str:
     except OSError:
         pass
     out = f"{cpu}, {os.cpu_count()} cores"
+    from models.pair import ISA_LIMITS
+
+    limits = [f"{k}={os.environ[k]}" for k in ISA_LIMITS if os.environ.get(k)]
+    if limits:  # an older CPU emulated by capping the kernels' instruction set: its own profile, named in every result
+        out += f", kernels capped by {' '.join(limits)}"
     if torch.cuda.is_available():
         out += f", {torch.cuda.get_device_name(0)}"
     return out

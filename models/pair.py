@@ -133,8 +133,24 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+# Environment variables that cap the instruction set torch's kernels use (ATen's vectorised ops, oneDNN, MKL). Set
+# to AVX2 on a CPU with AVX-512 they emulate an AVX2-only machine: auto picks float32 as it would there, and
+# models.cost.machine names the cap, so the run gets a profile and a label of its own (docs/performance.md).
+ISA_LIMITS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+
+
+def isa_capped_below_bf16(env=None) -> bool:
+    """Whether ATen's or oneDNN's instruction set is capped below AVX-512 (where no bf16 instruction is used)."""
+    env = os.environ if env is None else env
+    aten, onednn = env.get("ATEN_CPU_CAPABILITY", "").lower(), env.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    return aten in ("default", "avx2") or onednn in ("SSE41", "AVX") or onednn.startswith("AVX2")
+
+
 def cpu_has_native_bf16(flags: set[str] | None = None) -> bool:
-    """Does this CPU execute bf16 arithmetic natively? Read from its feature flags, never timed."""
+    """Does this CPU execute bf16 arithmetic natively? Read from its feature flags (and the kernels' instruction-set
+    cap, `ISA_LIMITS`), never timed."""
+    if flags is None and isa_capped_below_bf16():
+        return False
     return bool(NATIVE_BF16_FLAGS & (cpu_flags() if flags is None else set(flags)))
 
 

@@ -154,6 +154,18 @@ def test_dtype_auto_resolves_per_device(monkeypatch):
     assert mp.resolve_dtype("auto", torch.device("cpu")) == torch.float32
     monkeypatch.setattr(mp, "cpu_flags", lambda: zen4)
     assert mp.resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # an AVX2-only machine emulated: auto is what it would pick there
+    assert mp.resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    assert mp.resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    assert mp.resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    from models.cost import machine
+
+    assert machine().endswith("kernels capped by ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16") \
+        or torch.cuda.is_available()  # the cap is named in every result's machine
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY")
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
     assert mp.resolve_dtype("auto", torch.device("cuda")) == torch.float16
     assert mp.resolve_dtype("float32") == torch.float32
