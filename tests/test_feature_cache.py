@@ -131,6 +131,35 @@ def test_corpus_caches_features_beside_each_shard_and_resumes_the_missing_ones(t
         dd.run(compose_corpus(tmp_path, "features.layers=[1,2,3]"))
 
 
+def test_a_rebuild_from_ids_takes_topk_and_features_from_one_pass(tmp_path, tiny_pair, monkeypatch):
+    """A machine with the exported ids but no corpus rebuilds each shard's teacher top-k and its feature file from
+    one teacher-forced pass: the same top-1 at every position, top-k probabilities and features as generated."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    cfg = compose_corpus(tmp_path)
+    folder = dd.run(cfg)
+    made = {g: load_file(str(fc.path_of(folder, g))) for g in range(3)}
+    ref, _ = dd.load_items(folder)
+    shutil.rmtree(tmp_path / "out")
+    calls = []
+    real = fc.target_features
+    monkeypatch.setattr(fc, "target_features", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(dd, "teacher_topk", lambda *a, **k: pytest.fail("a second pass for the top-k"))
+    dd.run(cfg)
+    got, manifest = dd.load_items(folder)
+    assert manifest["complete"] and len(calls) == 3  # one pass a shard here (each fits one batch)
+    assert all(json.loads((folder / f"shard-0000{g}" / "shard.json").read_text())["rebuilt"] for g in range(3))
+    for a, b in zip(ref, got):
+        assert a["ids"].tolist() == b["ids"].tolist() and a["idx"][:, 0].tolist() == b["idx"][:, 0].tolist()
+        torch.testing.assert_close(b["vals"].float(), a["vals"].float(), atol=2e-3, rtol=2e-2)
+    for g, tensors in made.items():
+        again = load_file(str(fc.path_of(folder, g)))
+        assert all(torch.equal(again[k], tensors[k]) for k in ("prompt_at", "resp_at"))
+        torch.testing.assert_close(again["feats"].float(), tensors["feats"].float(), atol=0.02, rtol=0.02)
+
+
 def _loss_pair(tiny_pair, cfg, items):
     """(on-the-fly, cached) ttt_losses of one batch of `items` on one draft."""
     from train.eagle import make_collate

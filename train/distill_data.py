@@ -342,10 +342,10 @@ def _fill(cfg, pair, folder: Path, manifest: dict, groups, seq_dir: Path | None)
         if g in shards:  # a finished shard without its feature file (a killed run, or a corpus gaining a cache)
             rows = fc.stored_rows(folder, g)
         else:
-            meta, rows, new = _make_shard(cfg, pair, folder, manifest, groups[g], g, seq_dir)
+            meta, rows, new = _make_shard(cfg, pair, folder, manifest, groups[g], g, seq_dir, spec)
             positions, made = positions + meta["positions"], made + new
             bar.update(1)
-        if spec is not None:
+        if spec is not None and not fc.has_features(folder, g):  # a rebuild wrote them with its top-k
             fmeta = fc.write_features(folder, g, rows, pair.target, spec, cfg.features, pair.tokenizer.pad_token_id,
                                       manifest["config_hash"])
             featured += float(fmeta["seconds"])
@@ -356,12 +356,20 @@ def _fill(cfg, pair, folder: Path, manifest: dict, groups, seq_dir: Path | None)
     _finish(folder, groups, positions, spec)
 
 
-def _make_shard(cfg, pair, folder: Path, manifest: dict, group, g: int, seq_dir: Path | None):
-    """Shard g generated (or rebuilt from its exported ids) and written: (its meta, rows, positions generated)."""
+def _make_shard(cfg, pair, folder: Path, manifest: dict, group, g: int, seq_dir: Path | None, spec: dict | None):
+    """Shard g generated (or rebuilt from its exported ids) and written: (its meta, rows, positions generated).
+    A rebuild with a feature cache takes the top-k and the features from one pass of the target and writes both
+    (the shard's gen_seconds is that pass, the feature file's seconds 0: no pass of its own, so bench.corpus_throughput
+    leaves the shard out); two passes cost a 2-core CPU ~5 minutes a shard of the 1.5B corpus."""
     store.remove_stale_tmp(folder, g)
     t0 = time.perf_counter()
     seqs = read_seqs(seq_dir, g, manifest["config_hash"]) if seq_dir is not None else None
-    if seqs is not None:
+    tensors = None
+    if seqs is not None and spec is not None:
+        tensors, tops = fc.shard_features(pair.target, seqs, spec, int(cfg.features.batch_tokens),
+                                          pair.tokenizer.pad_token_id, (int(cfg.topk), pair.vocab_size))
+        rows = [{**s, "vals": v, "idx": i} for s, (v, i) in zip(seqs, tops)]
+    elif seqs is not None:
         rows = teacher_topk(pair, seqs, int(cfg.topk), int(cfg.batch_size))
     else:
         rows = shard_rows(cfg, pair, group, g)
@@ -369,6 +377,8 @@ def _make_shard(cfg, pair, folder: Path, manifest: dict, group, g: int, seq_dir:
                                          "dtype": str(pair.dtype).replace("torch.", ""), "machine": machine(),
                                          "threads": torch.get_num_threads(),
                                          "gen_seconds": round(time.perf_counter() - t0, 3)})
+    if tensors is not None:
+        fc.save_features(folder, g, rows, tensors, spec, manifest["config_hash"], 0.0)
     if seq_dir is not None and seqs is None:
         export_seqs(seq_dir, g, rows, manifest["config_hash"])
     return meta, rows, 0 if seqs is not None else meta["positions"]

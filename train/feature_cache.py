@@ -98,11 +98,23 @@ def _passes(rows: list[dict], batch_tokens: int) -> list[list[list[int]]]:
     return passes + ([cur] if cur else [])
 
 
-def shard_features(target, rows: list[dict], spec: dict, batch_tokens: int, pad_id: int) -> dict[str, torch.Tensor]:
+def _row_topk(target, last: torch.Tensor, start: int, end: int, k: int, vocab: int) -> tuple[torch.Tensor, ...]:
+    """The target's top-k before each response token of one row, from its final-norm output `last` (T, H): the
+    distributions at positions start-1 .. end-2, as train.distill_data.teacher_topk computes them."""
+    logits = target.get_output_embeddings()(last[start - 1 : end - 1])[:, :vocab].float()
+    v, idx = torch.softmax(logits, -1).topk(k, dim=-1)
+    return v.to(torch.float16).cpu(), idx.to(torch.int32).cpu()
+
+
+def shard_features(target, rows: list[dict], spec: dict, batch_tokens: int, pad_id: int,
+                   topk: tuple[int, int] | None = None) -> tuple[dict[str, torch.Tensor], list]:
     """The feature file's tensors for a shard's rows ({ids, start}, in shard order): one teacher-forced pass per
-    batch of rows (models.eagle3.target_features), each prompt's segment once, then each row's response."""
+    batch of rows (models.eagle3.target_features), each prompt's segment once, then each row's response. With
+    `topk` = (k, vocab), the same pass also gives each row's teacher top-k (vals, idx), so a shard rebuilt from its
+    ids costs one pass of the target, not two; else that list holds None."""
     dtype = DTYPES[spec["dtype"]]
     segs, at, prompt_at, resp_at = [], 0, [0] * len(rows), [0] * len(rows)
+    tops: list = [None] * len(rows)
     for part in _passes(rows, batch_tokens):
         members = [i for g in part for i in g]
         width = max(len(rows[i]["ids"]) for i in members)
@@ -111,7 +123,8 @@ def shard_features(target, rows: list[dict], spec: dict, batch_tokens: int, pad_
         for b, i in enumerate(members):
             x[b, : len(rows[i]["ids"])] = torch.as_tensor(rows[i]["ids"], dtype=torch.long)
             att[b, : len(rows[i]["ids"])] = 1
-        feats = target_features(target, x, att, spec["layers"]).to(dtype).cpu()
+        feats, last = target_features(target, x, att, spec["layers"], last=True)
+        feats = feats.to(dtype).cpu()
         b = 0
         for g in part:
             start = int(rows[g[0]]["start"])
@@ -123,25 +136,34 @@ def shard_features(target, rows: list[dict], spec: dict, batch_tokens: int, pad_
                 segs.append(feats[b, start : len(rows[i]["ids"])])
                 resp_at[i] = at
                 at += len(rows[i]["ids"]) - start
+                if topk is not None:
+                    with torch.no_grad():
+                        tops[i] = _row_topk(target, last[b], start, len(rows[i]["ids"]), *topk)
                 b += 1
     return {"feats": torch.cat(segs).contiguous(), "prompt_at": torch.tensor(prompt_at, dtype=torch.int64),
-            "resp_at": torch.tensor(resp_at, dtype=torch.int64)}
+            "resp_at": torch.tensor(resp_at, dtype=torch.int64)}, tops
 
 
 def write_features(folder: Path, index: int, rows: list[dict], target, spec: dict, fcfg, pad_id: int,
                    config_hash: str) -> dict:
     """Compute and write one shard's feature file atomically; returns its metadata (positions and seconds)."""
+    t0 = time.perf_counter()
+    tensors, _ = shard_features(target, rows, spec, int(fcfg.batch_tokens), pad_id)
+    return save_features(folder, index, rows, tensors, spec, config_hash, time.perf_counter() - t0)
+
+
+def save_features(folder: Path, index: int, rows: list[dict], tensors: dict, spec: dict, config_hash: str,
+                  seconds: float) -> dict:
+    """Write one shard's feature tensors (shard_features) atomically; returns its metadata."""
     from safetensors.torch import save_file
 
     path = path_of(folder, index)
     for stale in Path(folder).glob(f".{path.name}.*.tmp"):  # a killed run's half file
         stale.unlink(missing_ok=True)
-    t0 = time.perf_counter()
-    tensors = shard_features(target, rows, spec, int(fcfg.batch_tokens), pad_id)
     meta = {"layers": json.dumps(spec["layers"]), "dtype": spec["dtype"], "config_hash": config_hash,
             "rows": str(len(rows)), "positions": str(int(tensors["feats"].shape[0])),
             "response_positions": str(sum(len(r["ids"]) - int(r["start"]) for r in rows)),
-            "seconds": f"{time.perf_counter() - t0:.3f}"}
+            "seconds": f"{seconds:.3f}"}
     atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
     return meta
 
