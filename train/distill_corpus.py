@@ -16,16 +16,11 @@ from tqdm.auto import tqdm
 
 from models.pair import Pair
 from models.sources import cache_root
+from train.distill_store import topk_probs
 from utils.cli import UserError, check_name
 from utils.files import atomic_write
 
 CODE_VERSION = "distill-1"  # in the data cache key and the student file: a change here rebuilds the cache
-
-
-def _topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    probs = torch.softmax(logits.float(), dim=-1)
-    vals, idx = probs.topk(min(k, probs.shape[-1]), dim=-1)
-    return vals.to(torch.float16), idx.to(torch.int32)
 
 
 def generate_continuations(pair: Pair, texts: list[str], max_new_tokens: int, batch_size: int, temperature: float,
@@ -62,7 +57,7 @@ def teacher_text(pair: Pair, texts: list[str], topk: int, chunk_tokens: int, des
             continue
         x = torch.tensor([ids], device=pair.device)
         logits = pair.target(x).logits[0, :-1, : pair.vocab_size]
-        vals, idx = _topk(logits.cpu(), topk)
+        vals, idx = topk_probs(logits.cpu(), topk)
         out.append({"ids": torch.tensor(ids, dtype=torch.int32), "start": 1, "vals": vals, "idx": idx})
     return out
 

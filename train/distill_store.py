@@ -21,6 +21,13 @@ from utils.cli import UserError
 SEQ_COLUMNS = ("prompt_id", "source", "temperature", "ids", "start")
 
 
+def topk_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-k of softmax(logits) as the corpora store them: float16 probabilities, int32 token ids."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    vals, idx = probs.topk(min(k, probs.shape[-1]), dim=-1)
+    return vals.to(torch.float16), idx.to(torch.int32)
+
+
 def _table(rows: list[dict]):
     import pyarrow as pa
 

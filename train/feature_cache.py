@@ -31,6 +31,7 @@ import torch
 
 from data_gen import store
 from models.eagle3 import Eagle3Config, target_features
+from train.distill_store import topk_probs
 from utils.cli import UserError
 from utils.files import atomic_write
 
@@ -98,12 +99,12 @@ def _passes(rows: list[dict], batch_tokens: int) -> list[list[list[int]]]:
     return passes + ([cur] if cur else [])
 
 
+@torch.no_grad()
 def _row_topk(target, last: torch.Tensor, start: int, end: int, k: int, vocab: int) -> tuple[torch.Tensor, ...]:
     """The target's top-k before each response token of one row, from its final-norm output `last` (T, H): the
     distributions at positions start-1 .. end-2, as train.distill_data.teacher_topk computes them."""
-    logits = target.get_output_embeddings()(last[start - 1 : end - 1])[:, :vocab].float()
-    v, idx = torch.softmax(logits, -1).topk(k, dim=-1)
-    return v.to(torch.float16).cpu(), idx.to(torch.int32).cpu()
+    vals, idx = topk_probs(target.get_output_embeddings()(last[start - 1 : end - 1])[:, :vocab], k)
+    return vals.cpu(), idx.cpu()
 
 
 def shard_features(target, rows: list[dict], spec: dict, batch_tokens: int, pad_id: int,
@@ -137,8 +138,7 @@ def shard_features(target, rows: list[dict], spec: dict, batch_tokens: int, pad_
                 resp_at[i] = at
                 at += len(rows[i]["ids"]) - start
                 if topk is not None:
-                    with torch.no_grad():
-                        tops[i] = _row_topk(target, last[b], start, len(rows[i]["ids"]), *topk)
+                    tops[i] = _row_topk(target, last[b], start, len(rows[i]["ids"]), *topk)
                 b += 1
     return {"feats": torch.cat(segs).contiguous(), "prompt_at": torch.tensor(prompt_at, dtype=torch.int64),
             "resp_at": torch.tensor(resp_at, dtype=torch.int64)}, tops
