@@ -3,6 +3,7 @@ results/ (never typed in).
 
     python -m eval.study               # after any command of conf/study.yaml rewrote its folder
     python -m eval.study --no-plots    # the two Markdown files only
+    python -m eval.study --commands qwen_eagle [--stale]   # print what remakes those folders (the stale ones)
 
 conf/study.yaml lists every results/ folder as a section: the commands that write it, the tables and plots shown,
 a short note. For each section results/README.md gets the commands, the settings its files record (machine, date,
@@ -314,14 +315,34 @@ def readme_block(readme: Path) -> str:
     return text.split(BEGIN, 1)[1].split(END, 1)[0].removeprefix("\n")
 
 
+def commands(study: Study, prefix: str = "", results: Path | None = None) -> list[str]:
+    """The commands of the sections under folder `prefix` (all with ''), in the manifest's order, each command once;
+    with `results`, only those of the sections stale there (what `--stale` lists). A section's commands are its
+    recipe, so `python -m eval.study --commands qwen_eagle > rerun.sh` is how a folder is remade."""
+    secs = [s for s in study.sections if not prefix or s.folder == prefix.rstrip("/")
+            or s.folder.startswith(prefix.rstrip("/") + "/")]
+    if not secs:
+        raise UserError(f"no section of the study lies under {prefix!r}; its folders: "
+                        + ", ".join(sorted({s.folder.split("/")[0] for s in study.sections})))
+    if results is not None:
+        secs = [s for s in secs if stale_line(results, s, study.sections)]
+    return list(dict.fromkeys(c for s in secs for c in s.commands))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", type=Path, default=REPO / "results")
     ap.add_argument("--readme", type=Path, default=REPO / "README.md", help="top-level README with the study block")
     ap.add_argument("--manifest", type=Path, default=MANIFEST, help="the study's sections, headline and bar")
     ap.add_argument("--no-plots", action="store_true", help="write the Markdown only, not the decode plots")
+    ap.add_argument("--commands", metavar="FOLDER", nargs="?", const="",
+                    help="print the commands that remake FOLDER's sections (every section without FOLDER); write nothing")
+    ap.add_argument("--stale", action="store_true", help="with --commands: only the stale sections' commands")
     args = ap.parse_args()
     study = load_study(args.manifest)
+    if args.commands is not None or args.stale:
+        print("\n".join(commands(study, args.commands or "", args.results if args.stale else None)))
+        return
     if not args.no_plots:
         print(f"redrew the plots of {len(redraw(args.results))} decode folders")
     (args.results / "README.md").write_text(build(args.results, study))

@@ -206,6 +206,20 @@ def test_study_report_and_stale_line(tmp_path):
     text = build(tmp_path, study)
     assert "python -m decode out_dir=results/a" in text and "#### table" in text and "Not run yet." in text
     assert "**Stale:** made with draft.vocab_subset=null (today 8192)" in text
+    # --commands: the recipe of a folder (its sub-folders too, not a sibling sharing its prefix); --stale keeps
+    # only the stale sections'
+    from eval.study import commands
+    from utils.cli import UserError
+
+    study = Study((*study.sections, Section("a/x", "AX", ("python -m eval.bar out=results/a/x", "python -m decode "
+                                                           "out_dir=results/a")), Section("ab", "AB", ("echo ab",))))
+    assert commands(study, "a/") == ["python -m decode out_dir=results/a", "python -m eval.bar out=results/a/x"]
+    # a is stale (its run.json); a/x has no files of its own but reads a's, so it is stale too; b was never run
+    assert commands(study, "a", tmp_path) == commands(study, "a/")
+    assert commands(study, "", tmp_path) == commands(study, "a/")
+    assert len(commands(study)) == 4
+    with pytest.raises(UserError, match="no section of the study lies under 'c'"):
+        commands(study, "c")
 
 
 def test_study_marks_files_committed_before_the_draft(tmp_path, monkeypatch):
