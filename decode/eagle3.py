@@ -50,7 +50,10 @@ class _Loaded:
         self.cache.crop(self.base)
         self.seq += v.kept + [v.next]
         n = v.hidden.shape[1]  # features at the pending token(s) and the kept path: one per token to feed
-        self.feed = (self.seq[-n:], v.hidden.permute(1, 0, 2))
+        feed = (self.seq[-n:], v.hidden.permute(1, 0, 2))
+        if self.feed is not None:  # a round it did not draft (eagle3+lookup's lookup): its tokens still wait
+            feed = (self.feed[0] + feed[0], torch.cat([self.feed[1], feed[1]]))
+        self.feed = feed
 
 
 class Eagle3Drafter(_Loaded, Drafter):
@@ -80,6 +83,7 @@ class Eagle3Drafter(_Loaded, Drafter):
         self.s, self.seq = s, list(prompt_ids)
         self.cache = self.model.new_cache()
         self.feed: tuple[list[int], torch.Tensor] | None = None  # committed tokens and their true features
+        self.base = 0  # positions run on true features (a lookup's round can come before its first)
         self.want_q = (not s.greedy) or bool(self.policy.needs_probs)
         self.want_hidden = bool(getattr(self.policy, "needs_hidden", False))
         self.policy.reset(lookahead=lookahead)
@@ -93,7 +97,7 @@ class Eagle3Drafter(_Loaded, Drafter):
             return rnd
         now, s, m = time.perf_counter, self.s, self.model
         ts = now()
-        toks, feats = self.feed
+        (toks, feats), self.feed = self.feed, None
         fused = m.fuse(feats)
         out = m.step(torch.tensor(toks, device=feats.device), fused, self.cache)[-1:]
         self.base = self.cache.length  # true-feature positions; the chain's are dropped at commit
@@ -155,7 +159,7 @@ class Eagle3Tree(_Loaded, StudentTree):
         if self.feed is None:
             self.base = self.cache.length
             return Chain([], source=self)
-        self.pending, feats = self.feed
+        (self.pending, feats), self.feed = self.feed, None  # consumed: _refeed queues the next round's anew
         self.draft.feats, self.draft.feats_at = self.model.fuse(feats), self.cache.length
         prop = super().propose(budget, res)
         self.base = prop.prefix_len

@@ -1,5 +1,5 @@
-"""Prompt lookup: candidates copied from the context, at no model cost (`lookup`), and the student falling back on
-it (`student+lookup`).
+"""Prompt lookup: candidates copied from the context, at no model cost (`lookup`), and a model drafter falling back
+on it (`student+lookup`, `eagle3+lookup`: PlusLookup).
 
 As transformers' `prompt_lookup_num_tokens` and llama.cpp's lookup decoding: the longest suffix of the context
 (prompt + output so far, and the tokens drafted this round) of n ≤ `ngram` tokens that occurred before proposes
@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from decode.drafter import Chain, Drafter, Sampling, Verdict
+from decode.drafter import Chain, Drafter, Sampling, Verdict, build_drafter
 from decode.lm_drafters import Student
 from models.features.context import ContextIndex
 from models.features.signals import DraftStep
@@ -131,34 +131,41 @@ class Lookup(Drafter):
         res.draft_s += time.perf_counter() - ts
 
 
-class StudentPlusLookup(Drafter):
-    """Prompt lookup where the context has a match of at least `min_ngram` tokens, the student otherwise; one stop
-    policy asks both (each from its own signal). The student's cache skips the lookup's rounds and catches up on
-    the committed tokens at its next call (decode.lm_drafters' module docstring)."""
+class PlusLookup(Drafter):
+    """Prompt lookup where the context has a match of at least `min_ngram` tokens, a model drafter otherwise
+    (`inner`, by name: `student+lookup`, `eagle3+lookup`); one stop policy asks both (each from its own signal). The
+    model drafter's state skips the lookup's rounds and catches up on the committed tokens at its next call (the
+    student's cache: decode.lm_drafters; EAGLE-3's true features: decode.eagle3), so it needs the target's features
+    the inner drafter names (`layers`) after every round, and its rounds are priced on its own profile."""
 
-    name = "student+lookup"
-
-    def __init__(self, pair, policy, ngram: int = 3, min_ngram: int = 2, max_len: int = 10, student=None):
+    def __init__(self, pair, policy, inner: str = "student", ngram: int = 3, min_ngram: int = 2, max_len: int = 10,
+                 inner_params: dict | None = None, model: Drafter | None = None):
         super().__init__(policy)
-        self.student = student or Student(pair, policy)  # eval.replay hands in the trace's draft
+        self.inner = model or build_drafter(inner, pair, policy, inner_params)  # eval.replay: the trace's draft
+        self.name = f"{inner}+lookup"
         self.lookup = Lookup(pair, policy, ngram, min_ngram, max_len)
-        self.max_len = max(self.student.max_len, self.lookup.max_len)
+        self.max_len = max(self.inner.max_len, self.lookup.max_len)
+        self.layers, self.heads_from = tuple(self.inner.layers), self.inner.heads_from
 
     @classmethod
     def runs(cls, policy_cls) -> str | None:
         return Lookup.runs(policy_cls)
 
+    def profile_of(self, profile):
+        return self.inner.profile_of(profile)
+
     def describe(self) -> dict:
-        return {"name": self.name, "lookup": self.lookup.describe(), "policy": self.policy.describe()}
+        return {"name": self.name, "inner": self.inner.describe(), "lookup": self.lookup.describe(),
+                "policy": self.policy.describe()}
 
     def start(self, prompt_ids, s: Sampling, lookahead=None) -> None:
-        self.student.start(prompt_ids, s, lookahead)
+        self.inner.start(prompt_ids, s, lookahead)
         self.lookup.start(prompt_ids, s, lookahead)
 
     def propose(self, budget: int, res) -> Chain:
         rnd = self.lookup.propose(budget, res) if self.lookup.match()[0] is not None else None
-        return rnd if rnd is not None and rnd.tokens else self.student.propose(budget, res)
+        return rnd if rnd is not None and rnd.tokens else self.inner.propose(budget, res)
 
     def commit(self, v: Verdict, res) -> None:
-        self.student.commit(v, res)
+        self.inner.commit(v, res)
         self.lookup.commit(v, res)

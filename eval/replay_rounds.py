@@ -110,8 +110,8 @@ class TracePair:
 
 def trace_drafter(method: Method, policy: StopPolicy, cont: Continuation, manifest: dict):
     """The drafter a method replays with on one continuation: None for the traces' own draft (`TraceChain`, the
-    default), else the method's drafter from its yaml on a `TracePair`, the trace's draft standing in for the
-    student inside a composite (student+lookup). One user-error line for a drafter that needs a model."""
+    default), else the method's drafter from its yaml on a `TracePair`, the trace's draft standing in for the model
+    draft inside a composite (student+lookup). One user-error line for a drafter that needs a model."""
     name = method.drafter
     if name in (None, manifest.get("drafter", "student")):
         return None
@@ -119,10 +119,11 @@ def trace_drafter(method: Method, policy: StopPolicy, cont: Continuation, manife
         raise UserError(f"drafter '{name}' replays from the prompt, which these traces lack; regenerate them with "
                         "python -m data_gen")
     from decode.drafter import build_drafter
+    from utils import discover
 
     params = dict(method.drafter_params or {})
-    if name == "student+lookup":
-        params["student"] = TraceChain(policy, cont)
+    if (discover.load("drafter", name) or {}).get("inner", "") == manifest.get("drafter", "student"):
+        params["model"] = TraceChain(policy, cont)  # a composite around the traces' own draft (eagle3+lookup)
     try:
         return build_drafter(name, TracePair(manifest), policy, params)
     except (AttributeError, TypeError) as err:

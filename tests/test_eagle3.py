@@ -184,6 +184,44 @@ def test_eagle3_sampling_matches_target_law(tiny_pair, eagle3_drafter):
     assert pvalue > 1e-3
 
 
+def test_eagle3_plus_lookup_is_lossless_and_keeps_the_draft_on_the_targets_features(tiny_pair, trained):
+    """eagle3+lookup: greedy output equals target-only under every chain policy, with rounds of both drafters; after
+    rounds lookup drafted, the EAGLE-3 draft's cache and pending feed still hold every committed token once, each run
+    on the target's own feature at the position before it (what one call over the whole sequence computes)."""
+    from decode.drafter import build_drafter
+    from decode.loop import autoregressive, speculative
+    from decode.policies import build_policy
+
+    eos = {tiny_pair.tokenizer.eos_token_id}
+    rounds_by = {"lookup": 0, "eagle3": 0}
+    for text in ("a b c d a b c d a b c", "def f(x):\n    return x\ndef g(x):\n    return", "The quick brown fox"):
+        ids = tiny_pair.tokenizer.encode(text, add_special_tokens=False)
+        ref = autoregressive(tiny_pair, ids, 40, eos=eos)
+        for name, params in (("constant", {"k": 3}), ("svip", {}), ("expected_value", {"score": "max_q"})):
+            d = build_drafter("eagle3+lookup", tiny_pair, build_policy(name, params, pair=tiny_pair),
+                              {"inner_params": {"weights": str(trained)}})
+            propose = d.lookup.propose
+
+            def counted(budget, res, propose=propose):
+                rnd = propose(budget, res)
+                rounds_by["lookup"] += bool(rnd.tokens)
+                return rnd
+
+            d.lookup.propose = counted
+            res = speculative(tiny_pair, ids, d, 40, eos=eos, lookahead=ref.tokens)
+            assert res.tokens == ref.tokens, (name, text)
+            rounds_by["eagle3"] += len(res.rounds) - 1
+            e = d.inner
+            toks, _ = e.feed
+            assert e.cache.length + len(toks) == len(e.seq) - 1 and e.seq[-len(toks):] == toks
+            fresh = e.model.new_cache()
+            feats = target_features(tiny_pair, e.model, e.seq)[: e.cache.length]
+            with torch.no_grad():
+                e.model.step(torch.tensor(e.seq[1: e.cache.length + 1]), e.model.fuse(feats), fresh)
+            assert torch.allclose(e.cache.k[:, : e.cache.length].float(), fresh.k[:, : e.cache.length].float(), atol=1e-4)
+    assert rounds_by["lookup"] > 0 and rounds_by["eagle3"] > rounds_by["lookup"]
+
+
 def test_eagle3_trees_are_lossless_with_the_builders(tiny_pair, eagle3_drafter):
     """Trees on EAGLE-3 (`eagle3` hands a builder to `eagle3_tree`): greedy output = the target's, with nodes both
     accepted and rejected, for EAGLE-2's builder, a static tree and Sequoia's."""
