@@ -1,9 +1,10 @@
 """`python -m eval.drafters_bar`: drafters side by side from one decode run, with paired intervals, as one JSON.
 
     python -m eval.drafters_bar drafters_bar.run=results/drafters_mbpp [drafters_bar.reference=student]
+    python -m eval.drafters_bar drafters_bar.run=DIR drafters_bar.reference=student+lookup drafters_bar.name=vs_lookup
 
 Reads a `python -m decode 'drafters=[...]'` folder (summary.json, prompts.jsonl, run.json) and writes
-`drafters.json` and `drafters.md` there:
+`drafters.json` and `drafters.md` there (`<name>.json` and `.md` with `drafters_bar.name`):
 
     {"prompts", "machine", "dtype", "reference",
      "drafters": {name: {"best", "speedup", "cost_model_speedup", "mean_accepted_length", "c", "lossless",
@@ -91,7 +92,7 @@ def main(cfg: DictConfig) -> None:
         raise UserError("pass the decode folder: drafters_bar.run=DIR (python -m decode 'drafters=[...]' out_dir=DIR)")
     folder = Path(str(c.run))
     res = compare(folder, str(c.reference), int(c.n_resamples))
-    print(write_report(folder, "drafters", res, markdown(res)))
+    print(write_report(folder, str(c.name), res, markdown(res)))
 
 
 if __name__ == "__main__":

@@ -84,6 +84,10 @@ def written_by_section(rel: str, sec) -> bool:
     for command in sec.commands:
         if f"results/{rel}" in command and any(module_file(m) for m in modules(command)):
             return True  # the command names the file it writes (decode.profile out=...)
+        if re.search(rf"\.name={re.escape(name.split('.')[0])}(\s|$)", command) and any(
+                mod == m and Path(name).suffix in {Path(n).suffix for n in names}
+                for mod in modules(command) for m, _, names in WRITERS):
+            return True  # the command names the file's stem (eval.drafters_bar drafters_bar.name=vs_lookup)
         for mod in modules(command):
             if mod.startswith("bench.") and bench_names(name, mod.removeprefix("bench.")):
                 return True
