@@ -214,11 +214,12 @@ def test_grid_is_a_product_space_or_a_union_of_them():
 def test_drafters_replay_as_they_decode(traces, cli, tmp_path):
     """A drafter defined in a test file (tests/test_drafters.py Toy) and prompt lookup, picked up by their yamls in
     both `python -m decode` and `python -m eval.replay`: neither needs the draft LM, so the replay's rounds are
-    the decoder's and so is every summary number built from them."""
+    the decoder's and so is every summary number built from them; student+lookup replays with the traces' greedy
+    student chains inside it, which are the chains its student drafts in decode."""
     conf = tmp_path / "conf" / "drafter"
     conf.mkdir(parents=True)
     (conf / "toy.yaml").write_text("_target_: test_drafters.Toy\nk: 3\n")
-    common = ["pair=tiny_random", "dataset=mbpp", "drafters=[toy,lookup]", "policies=[constant,svip]",
+    common = ["pair=tiny_random", "dataset=mbpp", "drafters=[toy,lookup,student+lookup]", "policies=[constant,svip]",
               "policy.constant.k=3", f"hydra.searchpath=[file://{tmp_path / 'conf'}]"]
     r = cli("decode", *common, "split=test", f"limit={N_PROMPTS}", f"max_new_tokens={NEW}", "plots=false",
             "warmup=false", "threads=1", f"out_dir={tmp_path / 'dec'}")
@@ -228,7 +229,8 @@ def test_drafters_replay_as_they_decode(traces, cli, tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     decoded = json.loads((tmp_path / "dec" / "summary.json").read_text())
     replayed = json.loads((tmp_path / "rep" / "replay.json").read_text())["eval"]
-    for key in ("toy/constant", "toy/svip", "lookup/constant", "lookup/svip"):
+    for key in ("toy/constant", "toy/svip", "lookup/constant", "lookup/svip", "student+lookup/constant",
+                "student+lookup/svip"):
         assert decoded[key]["lossless"] is True
         assert replayed[key]["mean_accepted_length"] == pytest.approx(decoded[key]["mean_accepted_length"]), key
         assert replayed[key]["acceptance_rate"] == pytest.approx(decoded[key]["acceptance_rate"]), key
